@@ -1,0 +1,3 @@
+from hscapture.cli import main
+
+raise SystemExit(main())

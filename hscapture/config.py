@@ -1,0 +1,226 @@
+"""One validated configuration for a capture run, shared by the producer and the consumer.
+
+Every field is checked in ``__post_init__`` so a bad value fails at start-up, before any
+model is loaded or any socket is bound, with a message that names the field, the value
+received and the allowed range.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+MiB = 1 << 20
+#: Slots start on this boundary so every dtype view and vectorised copy is aligned.
+SLOT_ALIGN = 256
+
+#: Storage dtypes by name. The ring and the shards hold rows in exactly this dtype.
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+Policy = Literal["block", "drop"]
+POLICIES = ("block", "drop")
+
+
+def default_endpoint() -> str:
+    """An ipc:// endpoint in a per-user directory, so two users on one host never meet."""
+    return f"ipc:///tmp/hscapture-{os.getuid()}/default"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config name of a torch dtype (inverse of ``DTYPES``)."""
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} is not supported for capture; use one of {sorted(DTYPES)}")
+
+
+@dataclass
+class CaptureConfig:
+    """Everything a capture run needs; both processes validate the same object.
+
+    Layer ids follow one convention everywhere in hscapture: layer ``k`` is the residual
+    stream *entering* decoder layer ``k`` (hidden + residual, before its input norm). That is
+    HF's ``output_hidden_states[k]`` and SGLang's ``layers_to_capture`` entry ``k`` (which
+    SGLang's Llama setter derives from a requested EAGLE-3 id ``k - 1``). ``capture_last``
+    adds the final hidden state after the model's last norm.
+    """
+
+    #: Decoder layers whose entering residual stream is captured, in store order.
+    layers: tuple[int, ...]
+    #: Width of one row (the model's hidden size).
+    hidden_size: int
+    #: Decoder layers in the model; when known, layer ids are checked against it.
+    num_layers: int | None = None
+    #: Also capture the post-norm output of the last layer (what the LM head reads).
+    capture_last: bool = True
+    #: Dtype of the rows in the ring and on disk; the engine's activation dtype.
+    dtype: str = "bfloat16"
+    #: Bytes of one ring slot; one slot carries one chunk of rows of all captured layers.
+    slot_bytes: int = 4 * MiB
+    #: Total ring bytes (a whole number of slots); more slots absorb consumer hiccups.
+    ring_bytes: int = 64 * MiB
+    #: Most rows one forward step may bring (the engine's max tokens per batch).
+    max_step_rows: int = 8192
+    #: ``block`` waits for ring credit and loses nothing; ``drop`` never waits and counts drops.
+    policy: Policy = "block"
+    #: Base ZeroMQ endpoint; ``-announce`` and ``-release`` sockets hang off it.
+    endpoint: str = field(default_factory=default_endpoint)
+    #: In ``block`` mode, seconds to wait for credit before raising (0 = forever).
+    block_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        self.layers = tuple(self.layers)
+        if not self.layers and not self.capture_last:
+            raise ValueError("layers: nothing to capture; give at least one layer id or set capture_last")
+        for layer in self.layers:
+            if not isinstance(layer, int) or isinstance(layer, bool):
+                raise TypeError(f"layers: ids must be ints, got {layer!r}")
+        if len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"layers: duplicate ids in {list(self.layers)}; list each layer once")
+        if self.num_layers is not None:
+            _check_int("num_layers", self.num_layers, 1)
+            bad = [k for k in self.layers if not 0 <= k < self.num_layers]
+            if bad:
+                raise ValueError(
+                    f"layers: {bad} out of range; the model has {self.num_layers} decoder layers, so ids "
+                    f"must be in 0..{self.num_layers - 1} (id k = residual stream entering layer k); "
+                    "use capture_last for the post-norm final state"
+                )
+        elif any(k < 0 for k in self.layers):
+            raise ValueError(f"layers: ids must be >= 0, got {list(self.layers)}")
+        _check_int("hidden_size", self.hidden_size, 1)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"policy: {self.policy!r} is unknown; use 'block' (lossless) or 'drop' (never waits)"
+            )
+        _check_int("slot_bytes", self.slot_bytes, 1)
+        if self.slot_bytes < self.row_bytes:
+            raise ValueError(
+                f"slot_bytes: {self.slot_bytes} cannot hold one row of {self.row_bytes} bytes "
+                f"({self.num_tensors} tensors x hidden {self.hidden_size} x {self.itemsize} bytes); "
+                f"raise slot_bytes to at least {self.row_bytes}"
+            )
+        if self.slot_bytes % SLOT_ALIGN:
+            raise ValueError(
+                f"slot_bytes: {self.slot_bytes} is not a multiple of {SLOT_ALIGN}; "
+                f"use {-(-self.slot_bytes // SLOT_ALIGN) * SLOT_ALIGN}"
+            )
+        _check_int("ring_bytes", self.ring_bytes, 2 * self.slot_bytes)
+        if self.ring_bytes % self.slot_bytes:
+            raise ValueError(
+                f"ring_bytes: {self.ring_bytes} is not a whole number of slots of slot_bytes={self.slot_bytes}; "
+                f"use {self.num_slots * self.slot_bytes} or {(self.num_slots + 1) * self.slot_bytes}"
+            )
+        _check_int("max_step_rows", self.max_step_rows, 1)
+        ring_rows = self.num_slots * self.rows_per_slot
+        if ring_rows < self.max_step_rows:
+            need = -(-self.max_step_rows // self.rows_per_slot) * self.slot_bytes
+            raise ValueError(
+                f"ring_bytes: the ring holds {ring_rows} rows ({self.num_slots} slots x {self.rows_per_slot} rows of "
+                f"{self.row_bytes} bytes) but one step may bring max_step_rows={self.max_step_rows}; "
+                f"raise ring_bytes to at least {need} or lower max_step_rows"
+            )
+        if not self.endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"endpoint: {self.endpoint!r} must start with ipc:// or tcp://")
+        if self.block_timeout_s < 0:
+            raise ValueError(f"block_timeout_s: must be >= 0 (0 waits forever), got {self.block_timeout_s}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """Store names of the captured tensors, in slot order."""
+        return [f"layer_{k}" for k in self.layers] + (["last"] if self.capture_last else [])
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.layers) + int(self.capture_last)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row across all captured tensors."""
+        return self.num_tensors * self.hidden_size * self.itemsize
+
+    @property
+    def rows_per_slot(self) -> int:
+        return self.slot_bytes // self.row_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self.ring_bytes // self.slot_bytes
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["layers"] = list(self.layers)
+        return data
+
+
+@dataclass
+class ConsumerConfig:
+    """The consumer process's settings; what to read comes from the producer's handshake."""
+
+    #: Where the store is written (created; an existing store is appended to).
+    out_dir: Path
+    #: Base ZeroMQ endpoint of the producer to attach to.
+    endpoint: str = field(default_factory=default_endpoint)
+    #: Target bytes of one shard file.
+    shard_bytes: int = 256 * MiB
+    #: Threads writing shards to disk in parallel.
+    writer_threads: int = 2
+    #: A shard open longer than this is written even if not full (quiet servers still persist).
+    flush_s: float = 30.0
+    #: How often the consumer says hello while waiting, and heartbeats while attached.
+    heartbeat_ms: int = 200
+    #: Exit after the producer's end of stream (offline extraction) instead of waiting for the next run.
+    exit_on_eos: bool = False
+    #: Sleep this long per chunk: simulates a slow consumer (tests, drop-policy benchmarks).
+    delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        if not self.endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"endpoint: {self.endpoint!r} must start with ipc:// or tcp://")
+        _check_int("shard_bytes", self.shard_bytes, 1)
+        _check_int("writer_threads", self.writer_threads, 1, 64)
+        _check_int("heartbeat_ms", self.heartbeat_ms, 1, 60_000)
+        if self.flush_s <= 0:
+            raise ValueError(f"flush_s: must be > 0 seconds, got {self.flush_s}")
+        if self.delay_ms < 0:
+            raise ValueError(f"delay_ms: must be >= 0, got {self.delay_ms}")
+
+    def check_out_dir(self) -> Path:
+        """Create ``out_dir`` if needed and prove it writable, or raise naming the path."""
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.out_dir / f".write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(
+                f"out_dir: {str(self.out_dir)!r} is not writable ({exc.strerror}); pick another"
+            ) from exc
+        return self.out_dir
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}: must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"{name}: {value} is out of range; must be {allowed}")

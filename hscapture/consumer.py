@@ -1,0 +1,199 @@
+"""The consumer process: attach to a producer, copy slots out, release them, write the store.
+
+It knows nothing of models. It says hello on the ``release`` socket until a producer
+answers with a :class:`~hscapture.protocol.Layout`, opens the ring that layout describes
+(once), and then for each announced chunk copies the rows into the store's shard buffers
+and releases the slot at once; writer threads take it from there. It keeps saying hello
+as a heartbeat, which is how a restarted producer (new run id) finds it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+import zmq
+
+from hscapture import protocol
+from hscapture.config import DTYPES, ConsumerConfig
+from hscapture.errors import ProtocolError
+from hscapture.ring import RingReader, open_ring
+from hscapture.store import StoreWriter
+from hscapture.transport import announce_endpoint, make_socket, release_endpoint
+
+log = logging.getLogger(__name__)
+
+#: Messages handled per poll wake-up before housekeeping runs again.
+_BATCH = 256
+
+
+@dataclass
+class ConsumerStats:
+    runs: int = 0
+    chunks: int = 0
+    rows: int = 0
+    requests_finished: int = 0
+    messages_rejected: int = 0
+    end_of_streams: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Consumer:
+    """Attaches to one producer endpoint and writes what it announces into a store.
+
+    Args:
+        config: the consumer's settings.
+
+    Raises:
+        ValueError: the output directory is not writable.
+    """
+
+    def __init__(self, config: ConsumerConfig) -> None:
+        self.config = config
+        config.check_out_dir()
+        self.consumer_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.stats = ConsumerStats()
+        self.store = StoreWriter(config.out_dir, config.shard_bytes, config.writer_threads, config.flush_s)
+        self._context = zmq.Context.instance()
+        self._announce = make_socket(self._context, zmq.PULL)
+        self._announce.connect(announce_endpoint(config.endpoint))
+        self._release = make_socket(self._context, zmq.PUSH, immediate=True)
+        self._release.connect(release_endpoint(config.endpoint))
+        self._layout: protocol.Layout | None = None
+        self._ring: RingReader | None = None
+        self._row_bytes = 0
+        self._last_seq = 0
+        self._stopping = False
+        self._last_hello = 0.0
+        self._closed = False
+
+    @property
+    def run_id(self) -> str:
+        """The producer run this consumer is attached to ('' while detached)."""
+        return "" if self._layout is None else self._layout.run_id
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish the store and return (safe from a signal handler)."""
+        self._stopping = True
+
+    def run(self) -> ConsumerStats:
+        """Serve until stopped, or until end of stream when ``exit_on_eos`` is set."""
+        heartbeat_s = self.config.heartbeat_ms / 1000
+        try:
+            while not self._stopping:
+                if time.monotonic() - self._last_hello >= heartbeat_s:
+                    self._hello()
+                if self._announce.poll(self.config.heartbeat_ms):
+                    for _ in range(_BATCH):
+                        try:
+                            data = self._announce.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if self._handle(data) and self.config.exit_on_eos:
+                            return self.stats
+                self.store.tick()
+            return self.stats
+        finally:
+            self.close()
+
+    def close(self, reason: str = "consumer stopped") -> None:
+        """Finish the store (open requests marked incomplete), unmap the ring, close sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.store.close(reason)
+        finally:
+            self._close_ring()
+            self._announce.close(linger=0)
+            self._release.close(linger=0)
+
+    # ------------------------------------------------------------------ messages
+
+    def _hello(self) -> None:
+        self._last_hello = time.monotonic()
+        hello = protocol.Hello(v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, run_id=self.run_id)
+        try:
+            self._release.send(protocol.encode(hello), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no producer yet; say it again next heartbeat
+
+    def _handle(self, data: bytes) -> bool:
+        """Handle one message; returns True on end of stream."""
+        try:
+            message = protocol.decode_to_consumer(data)
+            if isinstance(message, protocol.Layout):
+                self._on_layout(message)
+            elif self._layout is None:
+                pass  # meant for a consumer before us; the producer re-announces after our layout
+            elif isinstance(message, protocol.Chunk):
+                self._on_chunk(message)
+            elif isinstance(message, protocol.RequestFinished):
+                self.store.finish_request(message)
+                self.stats.requests_finished += 1
+            elif isinstance(message, protocol.EndOfStream):
+                return self._on_end(message)
+        except ProtocolError as exc:
+            self.stats.messages_rejected += 1
+            log.warning("rejected message on announce socket: %s", exc)
+        return False
+
+    def _on_layout(self, layout: protocol.Layout) -> None:
+        if layout.consumer_id != self.consumer_id:
+            return  # the answer to another consumer's hello
+        if layout.dtype not in DTYPES or layout.num_slots <= 0 or layout.slot_bytes <= 0:
+            raise ProtocolError(f"Layout: unusable ring ({layout.num_slots} slots, dtype {layout.dtype!r})")
+        if len(layout.tensor_names) != len(layout.tensor_descriptions) or not layout.tensor_names:
+            raise ProtocolError(f"Layout.tensor_names: {layout.tensor_names} do not match their descriptions")
+        ring = open_ring(layout.ring)
+        self._close_ring()
+        self._ring = ring
+        self.store.begin_run(layout)
+        self._layout = layout
+        self._row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
+        self._last_seq = 0
+        self.stats.runs += 1
+        log.info(
+            "attached to run %s (%d slots of %d bytes)", layout.run_id, layout.num_slots, layout.slot_bytes
+        )
+
+    def _on_chunk(self, chunk: protocol.Chunk) -> None:
+        layout, ring = self._layout, self._ring
+        assert layout is not None and ring is not None
+        protocol.check_chunk(chunk, layout, self._row_bytes)
+        if chunk.seq <= self._last_seq:
+            raise ProtocolError(f"Chunk.seq: {chunk.seq} after {self._last_seq}; replayed or out of order")
+        self._last_seq = chunk.seq
+        if self.config.delay_ms:
+            time.sleep(self.config.delay_ms / 1000)
+        self.store.add_chunk(chunk, ring.fetch(chunk.slot, chunk.offset, chunk.nbytes))
+        release = protocol.Release(
+            v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=chunk.slot, seq=chunk.seq
+        )
+        try:
+            self._release.send(protocol.encode(release), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("producer gone; slot %d not released", chunk.slot)
+        self.stats.chunks += 1
+        self.stats.rows += chunk.rows
+
+    def _on_end(self, message: protocol.EndOfStream) -> bool:
+        if message.run_id != self.run_id:
+            return False
+        self.store.end_run("end of stream before the request finished", message.counters)
+        self._close_ring()
+        self._layout = None
+        self.stats.end_of_streams += 1
+        log.info("run %s ended: %s", message.run_id, message.counters)
+        return True
+
+    def _close_ring(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None

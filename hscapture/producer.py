@@ -1,0 +1,512 @@
+"""The engine-neutral producer API that every engine integration calls.
+
+Who calls what, and how often (habit of vLLM's KV connector base class):
+
+* Engine thread, once per forward step: :meth:`Producer.capture_step` with the rows of every
+  captured tensor and, per row, its request, position and token id. Copies the rows into
+  ring slots (a device-to-device copy on the CUDA ring), announces each slot, returns.
+  Under ``drop`` it never waits: rows without a free slot are dropped and counted exactly.
+  Under ``block`` it waits for credit and loses nothing.
+* Engine thread, once per request that ends: :meth:`Producer.finish_request`.
+* Engine thread, when idle (optional): :meth:`Producer.poll` answers a consumer that
+  attaches while no step runs.
+* Once at shutdown: :meth:`Producer.close` announces the end of stream and waits (bounded)
+  for the consumer to copy out what is in flight before the ring is freed.
+
+All socket work happens inline on the caller's thread: no thread, no lock, nothing that
+contends with the engine for the GIL between steps. :class:`NullProducer` has the same
+methods and does nothing, so call sites need no ``if capture_enabled``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from hscapture import protocol
+from hscapture.config import CaptureConfig, dtype_name
+from hscapture.errors import CreditTimeout, ProtocolError
+from hscapture.ring import Ring, create_ring
+from hscapture.transport import announce_endpoint, make_socket, prepare_ipc_dir, release_endpoint
+
+log = logging.getLogger(__name__)
+
+#: How long one wait for credit or a consumer polls before checking its deadline again.
+_POLL_MS = 20
+
+
+@dataclass
+class ProducerCounters:
+    """Running totals kept by the producer itself (the store records the final ones)."""
+
+    steps: int = 0
+    rows_captured: int = 0
+    rows_dropped: int = 0
+    chunks_announced: int = 0
+    chunks_dropped: int = 0
+    #: Times ``block`` had to wait for credit or a consumer, and the microseconds spent waiting.
+    credit_waits: int = 0
+    credit_wait_us: int = 0
+    events_dropped: int = 0
+    messages_rejected: int = 0
+    attaches: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class _InFlight:
+    seq: int
+    rows: int
+    payload: bytes
+
+
+class Producer:
+    """Writes captured rows into the ring and announces them to one consumer.
+
+    Args:
+        config: the run's validated configuration.
+        tensor_descriptions: one sentence per captured tensor (``config.tensor_names``
+            order) saying exactly what was captured; stored in the store's metadata.
+        meta: msgpack-safe facts for the store (engine, model path, ...).
+        ring: a ring to write into; by default a host shared-memory ring is allocated.
+
+    Raises:
+        ValueError: descriptions do not match the captured tensors.
+        zmq.ZMQError: the endpoint is in use by another producer.
+    """
+
+    def __init__(
+        self,
+        config: CaptureConfig,
+        *,
+        tensor_descriptions: Sequence[str],
+        meta: dict[str, Any] | None = None,
+        ring: Ring | None = None,
+    ) -> None:
+        if len(tensor_descriptions) != config.num_tensors:
+            raise ValueError(
+                f"tensor_descriptions: got {len(tensor_descriptions)} for {config.num_tensors} tensors "
+                f"{config.tensor_names}; describe each one"
+            )
+        self.config = config
+        self.run_id = uuid.uuid4().hex[:16]
+        self.counters = ProducerCounters()
+        self._descriptions = list(tensor_descriptions)
+        self._meta = {"config": config.to_dict(), **(meta or {})}
+        self.ring = ring or create_ring("host", config.num_slots, config.slot_bytes, self.run_id)
+        self._free: deque[int] = deque(range(config.num_slots))
+        self._in_flight: dict[int, _InFlight] = {}
+        self._seq = itertools.count(1)
+        self._request_drops: dict[str, int] = {}
+        self._consumer_id: str | None = None
+        self._closed = False
+
+        prepare_ipc_dir(config.endpoint)
+        self._context = zmq.Context.instance()
+        self._announce = make_socket(self._context, zmq.PUSH, immediate=True)
+        self._announce.setsockopt(zmq.SNDHWM, 100_000)
+        self._release = make_socket(self._context, zmq.PULL)
+        try:
+            self._announce.bind(announce_endpoint(config.endpoint))
+            self._release.bind(release_endpoint(config.endpoint))
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            self.ring.close()
+            raise zmq.ZMQError(
+                exc.errno, f"endpoint {config.endpoint!r}: {exc.strerror}; is another producer running there?"
+            ) from None
+        self._poller = zmq.Poller()
+        self._poller.register(self._release, zmq.POLLIN)
+
+    # ------------------------------------------------------------------ engine-facing API
+
+    def capture_step(
+        self,
+        states: Sequence[torch.Tensor],
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        positions: np.ndarray | torch.Tensor | Sequence[int],
+        token_ids: np.ndarray | torch.Tensor | Sequence[int],
+        row_index: torch.Tensor | None = None,
+    ) -> int:
+        """Capture one forward step's rows; returns how many rows were announced.
+
+        Args:
+            states: one tensor per captured tensor (``config.tensor_names`` order), each
+                ``[N, hidden]`` in ``config.dtype``; all on one device.
+            request_ids: the requests owning the kept rows, in row order.
+            request_rows: how many consecutive kept rows each request owns.
+            positions: ``[R]`` int position of each kept row in its request.
+            token_ids: ``[R]`` int token id of each kept row.
+            row_index: ``[R]`` int64 indices into the ``N`` rows of ``states`` to keep (drops
+                padding); ``None`` keeps all ``N`` rows in order.
+
+        Raises:
+            ValueError: shapes, dtypes or counts do not match what was planned.
+            CreditTimeout: ``block`` waited longer than ``block_timeout_s``.
+        """
+        self._check_open()
+        config = self.config
+        rows = self._check_step(states, request_ids, request_rows, row_index)
+        positions = _as_int64(positions, rows, "positions")
+        token_ids = _as_int64(token_ids, rows, "token_ids")
+        self.counters.steps += 1
+        self._drain_control()
+        starts = list(itertools.accumulate(request_rows, initial=0))
+        begin = 0
+        while begin < rows:
+            count = min(config.rows_per_slot, rows - begin)
+            slot = self._acquire_slot()
+            if slot is None:
+                self._count_drop(request_ids, starts, begin, rows)
+                break
+            self._write(slot, states, row_index, begin, count)
+            ids, counts = _spans(request_ids, starts, begin, begin + count)
+            seq = next(self._seq)
+            chunk = protocol.Chunk(
+                v=protocol.PROTOCOL_VERSION,
+                seq=seq,
+                step=self.counters.steps,
+                slot=slot,
+                offset=slot * config.slot_bytes,
+                nbytes=count * config.row_bytes,
+                rows=count,
+                request_ids=ids,
+                request_rows=counts,
+                positions=protocol.pack_rows(positions[begin : begin + count]),
+                token_ids=protocol.pack_rows(token_ids[begin : begin + count]),
+                dropped_rows=self.counters.rows_dropped,
+            )
+            payload = protocol.encode(chunk)
+            if not self._send(payload):
+                self._free.appendleft(slot)
+                self._count_drop(request_ids, starts, begin, rows)
+                break
+            self._in_flight[slot] = _InFlight(seq, count, payload)
+            self.counters.rows_captured += count
+            self.counters.chunks_announced += 1
+            begin += count
+        return begin
+
+    def finish_request(
+        self,
+        request_id: str,
+        reason: str = "finished",
+        *,
+        num_tokens: int = 0,
+        loss_mask: Sequence[tuple[int, int]] = (),
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Say that no more rows come for ``request_id``, and why.
+
+        Args:
+            request_id: as given to :meth:`capture_step`.
+            reason: ``finished``, ``aborted``, ``retracted`` or another engine word.
+            num_tokens: rows the request should have in total (0 if unknown).
+            loss_mask: half-open position ranges ``[start, end)`` trained on.
+            meta: msgpack-safe facts stored with the request.
+        """
+        self._check_open()
+        self._drain_control()
+        message = protocol.RequestFinished(
+            v=protocol.PROTOCOL_VERSION,
+            request_id=request_id,
+            reason=reason,
+            num_tokens=num_tokens,
+            dropped_rows=self._request_drops.pop(request_id, 0),
+            loss_mask=[(int(a), int(b)) for a, b in loss_mask],
+            meta=meta or {},
+        )
+        if not self._send(protocol.encode(message)):
+            self.counters.events_dropped += 1
+
+    def poll(self) -> None:
+        """Answer attaching consumers and take releases; call when the engine is idle."""
+        if not self._closed:
+            self._drain_control()
+
+    def close(self, timeout_s: float = 30.0) -> ProducerCounters:
+        """Announce the end of stream, wait up to ``timeout_s`` for in-flight slots, free the ring.
+
+        Idempotent. Returns the final counters.
+        """
+        if self._closed:
+            return self.counters
+        try:
+            eos = protocol.EndOfStream(
+                v=protocol.PROTOCOL_VERSION, run_id=self.run_id, counters=self.counters.to_dict()
+            )
+            self._drain_control()
+            if self._consumer_id is not None and self._send(protocol.encode(eos)):
+                deadline = time.monotonic() + timeout_s
+                while self._in_flight and time.monotonic() < deadline:
+                    self._wait_control()
+                if self._in_flight:
+                    log.warning("closing with %d slots not released by the consumer", len(self._in_flight))
+        except CreditTimeout:
+            log.warning("consumer gone at close; end of stream not delivered")
+        finally:
+            self._closed = True
+            self._close_sockets()
+            self.ring.close()
+        return self.counters
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def attached(self) -> bool:
+        """Whether a consumer has completed the handshake with this run."""
+        return self._consumer_id is not None
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("producer is closed")
+
+    def _check_step(
+        self,
+        states: Sequence[torch.Tensor],
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        row_index: torch.Tensor | None,
+    ) -> int:
+        config = self.config
+        if len(states) != config.num_tensors:
+            raise ValueError(
+                f"states: planned {config.num_tensors} tensors {config.tensor_names}, got {len(states)}"
+            )
+        first = states[0]
+        for name, state in zip(config.tensor_names, states):
+            if state.dim() != 2 or state.shape[1] != config.hidden_size or state.shape[0] != first.shape[0]:
+                raise ValueError(
+                    f"states[{name}]: planned [{first.shape[0]}, {config.hidden_size}], got {list(state.shape)}"
+                )
+            if state.dtype != config.torch_dtype:
+                raise ValueError(
+                    f"states[{name}]: planned dtype {config.dtype}, got {dtype_name(state.dtype)}"
+                )
+        rows = first.shape[0] if row_index is None else row_index.numel()
+        if len(request_ids) != len(request_rows) or sum(request_rows) != rows:
+            raise ValueError(
+                f"request_rows: {len(request_ids)} request ids with rows summing to {sum(request_rows)}, "
+                f"but the step keeps {rows} rows"
+            )
+        if rows > config.max_step_rows:
+            raise ValueError(
+                f"step rows: planned at most max_step_rows={config.max_step_rows}, got {rows}; "
+                "raise max_step_rows (and ring_bytes)"
+            )
+        return rows
+
+    def _write(
+        self,
+        slot: int,
+        states: Sequence[torch.Tensor],
+        row_index: torch.Tensor | None,
+        begin: int,
+        count: int,
+    ) -> None:
+        config = self.config
+        dst = self.ring.slot(slot)[: count * config.row_bytes]
+        dst = dst.view(config.torch_dtype).view(config.num_tensors, count, config.hidden_size)
+        if row_index is None:
+            for i, state in enumerate(states):
+                dst[i].copy_(state[begin : begin + count])
+        else:
+            index = row_index[begin : begin + count]
+            for i, state in enumerate(states):
+                torch.index_select(state, 0, index, out=dst[i])
+        self.ring.mark_written(slot)
+
+    def _acquire_slot(self) -> int | None:
+        if self._free and self._consumer_id is not None:
+            return self._free.popleft()
+        if self.config.policy == "drop":
+            return None
+        self._wait_until(lambda: bool(self._free) and self._consumer_id is not None, "a free ring slot")
+        return self._free.popleft()
+
+    def _send(self, payload: bytes) -> bool:
+        """Send on ``announce``; under ``drop`` give up at once, under ``block`` wait for a peer."""
+        try:
+            self._announce.send(payload, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if self.config.policy == "drop":
+                return False
+        sent = False
+
+        def try_send() -> bool:
+            nonlocal sent
+            try:
+                self._announce.send(payload, zmq.NOBLOCK)
+                sent = True
+            except zmq.Again:
+                pass
+            return sent
+
+        self._wait_until(try_send, "a consumer to send to")
+        return True
+
+    def _wait_until(self, ready: Any, what: str) -> None:
+        """Block (``block`` policy) serving the control socket until ``ready()`` holds."""
+        self.counters.credit_waits += 1
+        start = time.monotonic()
+        timeout = self.config.block_timeout_s
+        next_warning = start + 10.0
+        try:
+            while not ready():
+                now = time.monotonic()
+                if timeout and now - start > timeout:
+                    raise CreditTimeout(
+                        f"waited {now - start:.0f} s for {what} (block_timeout_s={timeout}); "
+                        f"is `hscapture consume --endpoint {self.config.endpoint}` running?"
+                    )
+                if now > next_warning:
+                    log.warning("waiting %.0f s for %s; is a consumer running?", now - start, what)
+                    next_warning = now + 10.0
+                self._wait_control()
+        finally:
+            self.counters.credit_wait_us += round((time.monotonic() - start) * 1e6)
+
+    def _wait_control(self) -> None:
+        if self._poller.poll(_POLL_MS):
+            self._drain_control()
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                data = self._release.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = protocol.decode_to_producer(data)
+                if isinstance(message, protocol.Release):
+                    self._on_release(message)
+                else:
+                    self._on_hello(message)
+            except ProtocolError as exc:
+                self.counters.messages_rejected += 1
+                log.warning("rejected message on release socket: %s", exc)
+
+    def _on_release(self, message: protocol.Release) -> None:
+        flight = self._in_flight.get(message.slot)
+        if message.consumer_id != self._consumer_id or flight is None or flight.seq != message.seq:
+            raise ProtocolError(
+                f"Release: slot {message.slot} seq {message.seq} from consumer {message.consumer_id!r} "
+                "does not match a slot in flight (stale or forged)"
+            )
+        del self._in_flight[message.slot]
+        self._free.append(message.slot)
+
+    def _on_hello(self, message: protocol.Hello) -> None:
+        if message.consumer_id == self._consumer_id and message.run_id == self.run_id:
+            return  # heartbeat of the attached consumer
+        config = self.config
+        layout = protocol.Layout(
+            v=protocol.PROTOCOL_VERSION,
+            run_id=self.run_id,
+            consumer_id=message.consumer_id,
+            ring=self.ring.describe(),
+            num_slots=config.num_slots,
+            slot_bytes=config.slot_bytes,
+            dtype=config.dtype,
+            hidden_size=config.hidden_size,
+            tensor_names=config.tensor_names,
+            tensor_descriptions=self._descriptions,
+            policy=config.policy,
+            meta=self._meta,
+        )
+        try:
+            self._announce.send(protocol.encode(layout), zmq.NOBLOCK)
+        except zmq.Again:
+            return  # its announce connection is not up yet; it says hello again
+        previous, self._consumer_id = self._consumer_id, message.consumer_id
+        self.counters.attaches += 1
+        log.info("consumer %s attached (replacing %s)", message.consumer_id, previous)
+        # Slots announced to a consumer that is gone still hold their rows: announce them again.
+        try:
+            for flight in sorted(self._in_flight.values(), key=lambda f: f.seq):
+                self._announce.send(flight.payload, zmq.NOBLOCK)
+        except zmq.Again:
+            self._consumer_id = None  # gone again mid-way; its successor's hello starts over
+
+    def _count_drop(self, request_ids: Sequence[str], starts: list[int], begin: int, end: int) -> None:
+        self.counters.rows_dropped += end - begin
+        self.counters.chunks_dropped += -(-(end - begin) // self.config.rows_per_slot)
+        ids, counts = _spans(request_ids, starts, begin, end)
+        for request_id, count in zip(ids, counts):
+            self._request_drops[request_id] = self._request_drops.get(request_id, 0) + count
+
+    def _close_sockets(self) -> None:
+        self._announce.close(linger=0)
+        self._release.close(linger=0)
+
+
+class NullProducer:
+    """Capture switched off: the same methods as :class:`Producer`, doing nothing."""
+
+    counters = ProducerCounters()
+    attached = False
+
+    def capture_step(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def finish_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def poll(self) -> None:
+        return None
+
+    def close(self, timeout_s: float = 0.0) -> ProducerCounters:
+        return self.counters
+
+    def __enter__(self) -> NullProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _spans(
+    request_ids: Sequence[str], starts: list[int], begin: int, end: int
+) -> tuple[list[str], list[int]]:
+    """Request ids and row counts covering kept rows ``[begin, end)``; ``starts`` are cumulative."""
+    first = bisect.bisect_right(starts, begin) - 1
+    ids: list[str] = []
+    counts: list[int] = []
+    for i in range(first, len(request_ids)):
+        lo, hi = max(starts[i], begin), min(starts[i + 1], end)
+        if lo >= end:
+            break
+        if hi > lo:
+            ids.append(request_ids[i])
+            counts.append(hi - lo)
+    return ids, counts
+
+
+def _as_int64(values: np.ndarray | torch.Tensor | Sequence[int], rows: int, name: str) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values, dtype=np.int64).reshape(-1)
+    if array.shape[0] != rows:
+        raise ValueError(f"{name}: planned {rows} values (one per kept row), got {array.shape[0]}")
+    return array

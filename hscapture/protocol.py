@@ -1,0 +1,210 @@
+"""Messages between producer and consumer: msgpack on the wire, typed and validated on receipt.
+
+Two sockets per run, named for their role (zguide habit: the long-lived side binds):
+
+* ``announce`` (producer PUSH, bound -> consumer PULL): :class:`Layout`, :class:`Chunk`,
+  :class:`RequestFinished`, :class:`EndOfStream`, in the order the engine produced them.
+* ``release`` (consumer PUSH -> producer PULL, bound): :class:`Hello` (attach and heartbeat)
+  and :class:`Release` (a credit: the slot may be written again).
+
+Every message carries the protocol version in its first field ``v``; fields are only ever
+added at the end, with defaults. Nothing is pickled. The codec is msgspec's msgpack, which
+decodes straight into these typed structs and rejects wrong types in the same pass
+(see ``benchmarks/codec.py`` for the comparison with the msgpack package).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from hscapture.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+#: Row metadata travels as little-endian int64 arrays packed in msgpack bin fields.
+ROW_DTYPE = np.dtype("<i8")
+
+
+class Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False):
+    """Base of all messages; ``v`` is encoded first so any peer can read the version."""
+
+    v: int
+
+
+class Hello(Message, tag="hello"):
+    """Consumer -> producer: attach (``run_id`` empty or stale) or heartbeat (``run_id`` current)."""
+
+    consumer_id: str
+    run_id: str = ""
+
+
+class Release(Message, tag="release"):
+    """Consumer -> producer: the slot announced with ``seq`` is copied out; it may be reused."""
+
+    consumer_id: str
+    slot: int
+    seq: int
+
+
+class Layout(Message, tag="layout"):
+    """Producer -> consumer: everything a late-joining consumer needs to read the ring.
+
+    ``ring`` is the backend's own description (e.g. a shared-memory path or a CUDA IPC
+    handle); it is sent once per attach, never per chunk.
+    """
+
+    run_id: str
+    consumer_id: str
+    ring: dict[str, Any]
+    num_slots: int
+    slot_bytes: int
+    dtype: str
+    hidden_size: int
+    tensor_names: list[str]
+    tensor_descriptions: list[str]
+    policy: str
+    meta: dict[str, Any] = {}
+
+
+class Chunk(Message, tag="chunk"):
+    """Producer -> consumer: ``rows`` rows of every captured tensor sit in ``slot``.
+
+    The slot holds ``[num_tensors, rows, hidden]`` packed from ``offset``. Rows of one
+    request are contiguous: request ``request_ids[i]`` owns the next ``request_rows[i]`` rows.
+    ``positions`` and ``token_ids`` are int64 arrays of length ``rows``. ``dropped_rows`` and
+    ``lost_rows`` are the producer's running totals when it sent this chunk.
+    """
+
+    seq: int
+    step: int
+    slot: int
+    offset: int
+    nbytes: int
+    rows: int
+    request_ids: list[str]
+    request_rows: list[int]
+    positions: bytes
+    token_ids: bytes
+    dropped_rows: int = 0
+    lost_rows: int = 0
+
+
+class RequestFinished(Message, tag="finished"):
+    """Producer -> consumer: no more rows will come for ``request_id``.
+
+    ``reason`` is ``finished``, ``aborted`` or ``retracted`` (or another engine word).
+    ``num_tokens`` is how many rows the request should have (0 when unknown),
+    ``dropped_rows`` how many of them the producer dropped, ``loss_mask`` the half-open
+    position ranges ``[start, end)`` that are trained on.
+    """
+
+    request_id: str
+    reason: str
+    num_tokens: int = 0
+    dropped_rows: int = 0
+    loss_mask: list[tuple[int, int]] = []
+    meta: dict[str, Any] = {}
+
+
+class EndOfStream(Message, tag="eos"):
+    """Producer -> consumer: the run is over; ``counters`` are the producer's final totals."""
+
+    run_id: str
+    counters: dict[str, int] = {}
+
+
+ToProducer = Hello | Release
+ToConsumer = Layout | Chunk | RequestFinished | EndOfStream
+
+_encoder = msgspec.msgpack.Encoder()
+_to_producer = msgspec.msgpack.Decoder(ToProducer)
+_to_consumer = msgspec.msgpack.Decoder(ToConsumer)
+
+
+class _VersionOnly(msgspec.Struct, forbid_unknown_fields=False):
+    v: int = -1
+    type: str = "?"
+
+
+_version_only = msgspec.msgpack.Decoder(_VersionOnly)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_producer(data: bytes) -> Hello | Release:
+    """Decode a message the producer receives, or raise :class:`ProtocolError` saying why."""
+    return _decode(_to_producer, data)
+
+
+def decode_to_consumer(data: bytes) -> Layout | Chunk | RequestFinished | EndOfStream:
+    """Decode a message the consumer receives, or raise :class:`ProtocolError` saying why."""
+    return _decode(_to_consumer, data)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
+    try:
+        message = decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed message ({len(data)} bytes): {exc}{_version_hint(data)}") from None
+    if message.v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{type(message).__name__}: protocol version {message.v}, this side speaks {PROTOCOL_VERSION}; "
+            "run the same hscapture version on both sides"
+        )
+    return message
+
+
+def _version_hint(data: bytes) -> str:
+    try:
+        head = _version_only.decode(data)
+    except msgspec.DecodeError:
+        return ""
+    if head.v != PROTOCOL_VERSION:
+        return f" (peer speaks protocol version {head.v}, this side {PROTOCOL_VERSION}: run the same hscapture version)"
+    return ""
+
+
+def pack_rows(values: np.ndarray) -> bytes:
+    """int64 row metadata -> bytes for a :class:`Chunk` field."""
+    return np.ascontiguousarray(values, dtype=ROW_DTYPE).tobytes()
+
+
+def unpack_rows(data: bytes, rows: int, field: str) -> np.ndarray:
+    """bytes of a :class:`Chunk` field -> int64 array of ``rows``, checked."""
+    if len(data) != rows * ROW_DTYPE.itemsize:
+        raise ProtocolError(
+            f"Chunk.{field}: {len(data)} bytes, expected {rows * ROW_DTYPE.itemsize} for {rows} rows"
+        )
+    return np.frombuffer(data, dtype=ROW_DTYPE)
+
+
+def check_chunk(chunk: Chunk, layout: Layout, row_bytes: int) -> None:
+    """Reject a chunk that would read outside its slot or whose row metadata does not add up."""
+    if not 0 <= chunk.slot < layout.num_slots:
+        raise ProtocolError(
+            f"Chunk.slot: {chunk.slot} out of range 0..{layout.num_slots - 1} (seq {chunk.seq})"
+        )
+    if chunk.offset != chunk.slot * layout.slot_bytes:
+        raise ProtocolError(
+            f"Chunk.offset: {chunk.offset} is not the start of slot {chunk.slot} "
+            f"({chunk.slot * layout.slot_bytes}) (seq {chunk.seq})"
+        )
+    if chunk.rows <= 0 or chunk.nbytes != chunk.rows * row_bytes or chunk.nbytes > layout.slot_bytes:
+        raise ProtocolError(
+            f"Chunk.nbytes: {chunk.nbytes} for {chunk.rows} rows of {row_bytes} bytes does not fit "
+            f"slot_bytes={layout.slot_bytes} (seq {chunk.seq})"
+        )
+    if len(chunk.request_ids) != len(chunk.request_rows) or sum(chunk.request_rows) != chunk.rows:
+        raise ProtocolError(
+            f"Chunk.request_rows: {len(chunk.request_ids)} ids with rows summing to {sum(chunk.request_rows)}, "
+            f"expected {chunk.rows} rows (seq {chunk.seq})"
+        )
+    if any(n <= 0 for n in chunk.request_rows):
+        raise ProtocolError(
+            f"Chunk.request_rows: counts must be positive, got {chunk.request_rows} (seq {chunk.seq})"
+        )

@@ -1,0 +1,170 @@
+"""Reading a store: ``open_store(path)`` then ``keys()``, ``get(key)``, ``metadata()``.
+
+Shards are memory-mapped through safetensors, and ``get`` slices only the rows of the asked
+request, so reading one sample never loads a whole shard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from hscapture.config import DTYPES
+from hscapture.errors import StoreError
+from hscapture.store import META_FILE, read_index, shard_name
+
+ROW_FIELDS = ("positions", "token_ids")
+
+
+class Store:
+    """A read-only view of a store directory.
+
+    Each request id appears once; when an id was written twice (an extraction resumed after a
+    crash that left it incomplete), the later line wins.
+    """
+
+    def __init__(self, root: str | Path, max_open_shards: int = 64) -> None:
+        self.root = Path(root)
+        meta_path = self.root / META_FILE
+        if not meta_path.exists():
+            raise StoreError(
+                f"{self.root}: no {META_FILE}; not an hscapture store (or nothing was captured yet)"
+            )
+        self._meta: dict[str, Any] = json.loads(meta_path.read_text())
+        self._runs: list[dict[str, Any]] = []
+        self._run_ends: dict[str, dict[str, Any]] = {}
+        self._shards: dict[int, dict[str, Any]] = {}
+        self._requests: dict[str, dict[str, Any]] = {}
+        for record in read_index(self.root):
+            kind = record.get("type")
+            if kind == "shard":
+                self._shards[record["id"]] = record
+            elif kind == "request":
+                self._requests.pop(record["id"], None)
+                self._requests[record["id"]] = record
+            elif kind == "run":
+                self._runs.append(record)
+            elif kind == "run_end":
+                self._run_ends[record["run_id"]] = record
+        self.tensor_names: list[str] = [t["name"] for t in self._meta["tensors"]]
+        self._open: OrderedDict[int, Any] = OrderedDict()
+        self._max_open = max_open_shards
+
+    # ------------------------------------------------------------------ index
+
+    def keys(self, complete_only: bool = False) -> list[str]:
+        """Request ids in the order they were written."""
+        return [k for k, r in self._requests.items() if not complete_only or r["status"] == "complete"]
+
+    def record(self, key: str) -> dict[str, Any]:
+        """The index line of a request: status, reason, rows, spans, loss mask, meta."""
+        try:
+            return self._requests[key]
+        except KeyError:
+            raise KeyError(f"request {key!r} is not in the store {self.root}") from None
+
+    def metadata(self) -> dict[str, Any]:
+        """What was captured (tensors and their exact meaning, dtype, width) and every run."""
+        runs = [{**run, "end": self._run_ends.get(run["run_id"])} for run in self._runs]
+        return {**self._meta, "runs": runs}
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for humans and scripts: requests, rows, shards, bytes, drops."""
+        records = self._requests.values()
+        dropped = sum(int(end.get("counters", {}).get("rows_dropped", 0)) for end in self._run_ends.values())
+        return {
+            "requests": len(self._requests),
+            "complete": sum(r["status"] == "complete" for r in records),
+            "incomplete": sum(r["status"] != "complete" for r in records),
+            "rows": sum(r["rows"] for r in records),
+            "shards": len(self._shards),
+            "bytes": sum(s["bytes"] for s in self._shards.values()),
+            "rows_dropped": dropped,
+            "runs": len(self._runs),
+        }
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._requests
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    # ------------------------------------------------------------------ data
+
+    def get(self, key: str, tensors: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """One request's rows, sorted by position.
+
+        Returns:
+            ``input_ids`` int64 ``[n]``, ``positions`` int64 ``[n]``, ``loss_mask`` int64 ``[n]``
+            (1 where trained on), and each captured tensor (``layer_{k}``, ``last``) as
+            ``[n, hidden]`` in the stored dtype.
+
+        Raises:
+            KeyError: no such request. StoreError: a shard it needs is missing.
+        """
+        record = self.record(key)
+        names = self.tensor_names if tensors is None else tensors
+        unknown = sorted(set(names) - set(self.tensor_names))
+        if unknown:
+            raise KeyError(f"tensors {unknown} are not in this store; it holds {self.tensor_names}")
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in (*ROW_FIELDS, *names)}
+        for shard_id, start, count in record["spans"]:
+            handle = self._shard(shard_id)
+            for name, pieces in parts.items():
+                pieces.append(handle.get_slice(name)[start : start + count])
+        out = {name: torch.cat(pieces) if pieces else self._empty(name) for name, pieces in parts.items()}
+        order = torch.argsort(out["positions"], stable=True)
+        out = {name: value[order] for name, value in out.items()}
+        positions = out["positions"]
+        mask = torch.zeros_like(positions)
+        for start, end in record["loss_mask"]:
+            mask |= ((positions >= start) & (positions < end)).long()
+        sample = {"input_ids": out.pop("token_ids"), "positions": positions, "loss_mask": mask}
+        sample.update(out)
+        return sample
+
+    def _empty(self, name: str) -> torch.Tensor:
+        if name in ROW_FIELDS:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.empty(0, self._meta["hidden_size"], dtype=DTYPES[self._meta["dtype"]])
+
+    def _shard(self, shard_id: int) -> Any:
+        handle = self._open.get(shard_id)
+        if handle is not None:
+            self._open.move_to_end(shard_id)
+            return handle
+        if shard_id not in self._shards:
+            raise StoreError(
+                f"{self.root}: shard {shard_id} is referenced but not indexed; the index is corrupt"
+            )
+        path = self.root / shard_name(shard_id)
+        if not path.exists():
+            raise StoreError(f"{path}: missing; the store was damaged after it was written")
+        handle = safe_open(str(path), framework="pt")
+        self._open[shard_id] = handle
+        if len(self._open) > self._max_open:
+            self._open.popitem(last=False)
+        return handle
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_store(path: str | Path) -> Store:
+    """Open a store directory for reading."""
+    return Store(path)

@@ -1,0 +1,490 @@
+"""The on-disk store: safetensors shards plus an append-only JSONL index (see FORMAT.md).
+
+The writer knows nothing of models: it receives chunks of rows (``[num_tensors, rows,
+hidden]`` bytes plus per-row request, position and token id), packs them into shard
+buffers, and hands full shards to writer threads. A shard becomes visible only after it
+was written to a temp file, fsync'd and renamed, and only then does the index get its
+``shard`` line; a request's line follows once every shard holding its rows is durable.
+So a crash at any moment leaves an index that lists only complete shards and requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from hscapture import protocol
+from hscapture.config import DTYPES
+from hscapture.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+STORE_FORMAT = "hscapture-store"
+STORE_VERSION = 1
+INDEX_FILE = "index.jsonl"
+META_FILE = "meta.json"
+
+
+def shard_name(shard_id: int) -> str:
+    return f"shard-{shard_id:06d}.safetensors"
+
+
+def read_index(root: Path) -> list[dict[str, Any]]:
+    """All complete lines of ``index.jsonl``; a torn last line (crash mid-append) is skipped."""
+    path = root / INDEX_FILE
+    if not path.exists():
+        return []
+    records = []
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.endswith(b"\n"):
+                log.warning("%s: ignoring torn last line %d", path, number)
+                break
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise StoreError(f"{path}:{number}: not JSON ({exc}); the index is corrupt") from None
+    return records
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new, never a torn one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _ShardBuffer:
+    """Host buffers for one shard being filled: one ``[capacity, row]`` byte array per tensor."""
+
+    tensors: list[np.ndarray]
+    positions: np.ndarray
+    token_ids: np.ndarray
+    request_index: np.ndarray
+
+
+@dataclass
+class _OpenShard:
+    shard_id: int
+    run_id: str
+    buffer: _ShardBuffer
+    rows: int = 0
+    request_lookup: dict[str, int] = field(default_factory=dict)
+    opened: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Request:
+    run_id: str
+    spans: list[list[int]] = field(default_factory=list)  # [shard_id, first row, rows]
+    rows: int = 0
+    runs: list[list[int]] = field(default_factory=list)  # position runs [start, end)
+    finished: protocol.RequestFinished | None = None
+    end_reason: str = ""
+
+
+@dataclass
+class _RunSpec:
+    run_id: str
+    tensor_names: list[str]
+    dtype: torch.dtype
+    hidden_size: int
+    row_bytes: int
+    rows_per_shard: int
+
+
+class StoreWriter:
+    """Writes chunks into shards and the index. One thread calls it (the consumer loop).
+
+    Args:
+        root: the store directory (created; an existing store is appended to).
+        shard_bytes: target bytes of one shard.
+        writer_threads: threads writing shards in parallel.
+        flush_s: a shard open longer than this is written even if not full, so streaming
+            capture of a quiet server still reaches disk.
+    """
+
+    def __init__(self, root: Path, shard_bytes: int, writer_threads: int = 2, flush_s: float = 30.0) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.shard_bytes = shard_bytes
+        self.flush_s = flush_s
+        self._repair_index()
+        records = read_index(self.root)
+        self._next_shard = 1 + max((r["id"] for r in records if r["type"] == "shard"), default=-1)
+        for stale in self.root.glob("*.tmp"):
+            stale.unlink()
+        self._meta = self._load_meta()
+        self._index = (self.root / INDEX_FILE).open("ab")
+        self._pool = ThreadPoolExecutor(writer_threads, thread_name_prefix="hscapture-writer")
+        self._buffers: queue.Queue[_ShardBuffer] = queue.Queue()
+        self._buffers_made = 0
+        self._max_buffers = writer_threads + 1
+        self._pending: dict[int, Any] = {}  # shard id -> future
+        self._run: _RunSpec | None = None
+        self._shard: _OpenShard | None = None
+        self._requests: dict[str, _Request] = {}
+        self.rows_written = 0
+        self.requests_written = 0
+
+    # ------------------------------------------------------------------ runs
+
+    def begin_run(self, layout: protocol.Layout) -> None:
+        """Start writing rows of a producer run; the store's tensors must match earlier runs."""
+        if self._run is not None:
+            self.end_run("producer restarted", {})
+        if layout.dtype not in DTYPES:
+            raise StoreError(f"Layout.dtype: {layout.dtype!r} is not a storable dtype ({sorted(DTYPES)})")
+        tensors = [
+            {"name": n, "description": d} for n, d in zip(layout.tensor_names, layout.tensor_descriptions)
+        ]
+        spec = {"dtype": layout.dtype, "hidden_size": layout.hidden_size, "tensors": tensors}
+        if self._meta is None:
+            self._meta = {"format": STORE_FORMAT, "version": STORE_VERSION, **spec}
+            write_atomic(self.root / META_FILE, json.dumps(self._meta, indent=2).encode())
+        else:
+            stored = {k: self._meta.get(k) for k in spec}
+            if stored != spec:
+                raise StoreError(
+                    f"{self.root}: holds {stored}, the producer sends {spec}; "
+                    "write this run to another --out directory"
+                )
+        dtype = DTYPES[layout.dtype]
+        row_bytes = len(tensors) * layout.hidden_size * dtype.itemsize
+        self._run = _RunSpec(
+            run_id=layout.run_id,
+            tensor_names=list(layout.tensor_names),
+            dtype=dtype,
+            hidden_size=layout.hidden_size,
+            row_bytes=row_bytes,
+            rows_per_shard=max(1, self.shard_bytes // row_bytes),
+        )
+        self._append({"type": "run", "run_id": layout.run_id, "time": time.time(), "meta": layout.meta})
+
+    def end_run(self, reason: str, counters: dict[str, int]) -> None:
+        """Write the open shard, wait for all writes, and close every request of the run.
+
+        Requests that never got a finish event are recorded as incomplete with ``reason``.
+        """
+        run = self._run
+        if run is None:
+            return
+        self._flush_shard()
+        self._wait_writes()
+        for request_id, request in list(self._requests.items()):
+            if request.finished is None and request.run_id == run.run_id:
+                request.end_reason = reason
+        self._commit_ready()
+        self._append({"type": "run_end", "run_id": run.run_id, "reason": reason, "counters": counters})
+        self._run = None
+
+    # ------------------------------------------------------------------ data
+
+    def add_chunk(self, chunk: protocol.Chunk, data: np.ndarray) -> None:
+        """Copy a chunk's rows (``data``: uint8 ``[nbytes]`` laid out ``[tensors, rows, hidden]``)."""
+        run = self._require_run()
+        rows = chunk.rows
+        positions = protocol.unpack_rows(chunk.positions, rows, "positions")
+        token_ids = protocol.unpack_rows(chunk.token_ids, rows, "token_ids")
+        planes = data.reshape(len(run.tensor_names), rows, run.row_bytes // len(run.tensor_names))
+        owner = np.repeat(np.arange(len(chunk.request_ids)), chunk.request_rows)
+        begin = 0
+        while begin < rows:
+            shard = self._open_shard()
+            count = min(rows - begin, run.rows_per_shard - shard.rows)
+            at, end = shard.rows, shard.rows + count
+            buffer = shard.buffer
+            for plane, target in zip(planes, buffer.tensors):
+                target[at:end] = plane[begin : begin + count]
+            buffer.positions[at:end] = positions[begin : begin + count]
+            buffer.token_ids[at:end] = token_ids[begin : begin + count]
+            mine = owner[begin : begin + count]
+            local = np.full(len(chunk.request_ids), -1, dtype=np.int32)
+            for i in np.unique(mine).tolist():
+                local[i] = shard.request_lookup.setdefault(chunk.request_ids[i], len(shard.request_lookup))
+            buffer.request_index[at:end] = local[mine]
+            self._track(chunk, owner, positions, shard.shard_id, at, begin, begin + count)
+            shard.rows = end
+            self.rows_written += count
+            if shard.rows == run.rows_per_shard:
+                self._flush_shard()
+            begin += count
+
+    def finish_request(self, message: protocol.RequestFinished) -> None:
+        """Close a request; its index line is written once its shards are durable."""
+        run = self._require_run()
+        request = self._requests.setdefault(message.request_id, _Request(run.run_id))
+        request.finished = message
+        self._commit_ready()
+
+    def tick(self) -> None:
+        """Housekeeping between messages: collect finished writes, flush an old open shard."""
+        shard = self._shard
+        if shard is not None and shard.rows and time.monotonic() - shard.opened > self.flush_s:
+            self._flush_shard()
+        self._commit_ready()
+
+    def close(self, reason: str = "consumer stopped") -> None:
+        """End the run (if any) and release files and threads. Idempotent."""
+        if self._index.closed:
+            return
+        try:
+            self.end_run(reason, {})
+        finally:
+            self._pool.shutdown(wait=True)
+            self._index.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _require_run(self) -> _RunSpec:
+        if self._run is None:
+            raise StoreError("store: data before any run began (no Layout received)")
+        return self._run
+
+    def _track(
+        self,
+        chunk: protocol.Chunk,
+        owner: np.ndarray,
+        positions: np.ndarray,
+        shard_id: int,
+        at: int,
+        begin: int,
+        end: int,
+    ) -> None:
+        """Record, per request, which shard rows it owns and which positions they are."""
+        run = self._require_run()
+        cuts = np.flatnonzero(np.diff(owner[begin:end])) + 1
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), end - begin]):
+            request_id = chunk.request_ids[int(owner[begin + lo])]
+            request = self._requests.get(request_id)
+            if request is None:
+                request = self._requests[request_id] = _Request(run.run_id)
+            spans = request.spans
+            if spans and spans[-1][0] == shard_id and spans[-1][1] + spans[-1][2] == at + lo:
+                spans[-1][2] += hi - lo
+            else:
+                spans.append([shard_id, at + lo, hi - lo])
+            request.rows += hi - lo
+            _add_runs(request.runs, positions[begin + lo : begin + hi])
+
+    def _open_shard(self) -> _OpenShard:
+        if self._shard is None:
+            run = self._require_run()
+            self._shard = _OpenShard(self._next_shard, run.run_id, self._take_buffer(run))
+            self._next_shard += 1
+        return self._shard
+
+    def _take_buffer(self, run: _RunSpec) -> _ShardBuffer:
+        try:
+            buffer = self._buffers.get_nowait()
+        except queue.Empty:
+            if self._buffers_made < self._max_buffers:
+                self._buffers_made += 1
+                return _new_buffer(run)
+            buffer = self._buffers.get()  # all buffers are being written: disk backpressure
+        return buffer  # every run of a store has the same geometry (checked in begin_run)
+
+    def _flush_shard(self) -> None:
+        shard, self._shard = self._shard, None
+        if shard is None:
+            return
+        if shard.rows == 0:
+            self._buffers.put(shard.buffer)
+            self._next_shard -= 1
+            return
+        run = self._require_run()
+        self._pending[shard.shard_id] = self._pool.submit(_write_shard, self.root, shard, run, self._buffers)
+        self._commit_ready()
+
+    def _wait_writes(self) -> None:
+        for future in list(self._pending.values()):
+            future.exception()
+        self._commit_ready()
+
+    def _commit_ready(self) -> None:
+        """Index every shard whose write finished, then every request whose shards all are."""
+        for shard_id, future in sorted(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[shard_id]
+            error = future.exception()
+            if error is not None:
+                raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}") from error
+            self._append(future.result())
+        open_id = None if self._shard is None else self._shard.shard_id
+        for request_id, request in list(self._requests.items()):
+            if request.finished is None and not request.end_reason:
+                continue
+            if any(s[0] == open_id or s[0] in self._pending for s in request.spans):
+                continue
+            del self._requests[request_id]
+            self._append(_request_record(request_id, request))
+            self.requests_written += 1
+
+    def _append(self, record: dict[str, Any]) -> None:
+        self._index.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+        self._index.flush()
+        os.fsync(self._index.fileno())
+
+    def _load_meta(self) -> dict[str, Any] | None:
+        path = self.root / META_FILE
+        if not path.exists():
+            return None
+        meta = json.loads(path.read_text())
+        if meta.get("format") != STORE_FORMAT or meta.get("version") != STORE_VERSION:
+            raise StoreError(
+                f"{path}: format {meta.get('format')!r} v{meta.get('version')}, expected {STORE_FORMAT!r} "
+                f"v{STORE_VERSION}; write to another directory"
+            )
+        return meta
+
+    def _repair_index(self) -> None:
+        """Cut a torn last line (crash mid-append) so new lines start clean."""
+        path = self.root / INDEX_FILE
+        if not path.exists():
+            return
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            log.warning("%s: cutting a torn last line of %d bytes", path, len(data) - keep)
+            with path.open("r+b") as handle:
+                handle.truncate(keep)
+                os.fsync(handle.fileno())
+
+
+def _new_buffer(run: _RunSpec) -> _ShardBuffer:
+    width = run.row_bytes // len(run.tensor_names)
+    capacity = run.rows_per_shard
+    return _ShardBuffer(
+        tensors=[np.empty((capacity, width), dtype=np.uint8) for _ in run.tensor_names],
+        positions=np.empty(capacity, dtype=np.int64),
+        token_ids=np.empty(capacity, dtype=np.int64),
+        request_index=np.empty(capacity, dtype=np.int32),
+    )
+
+
+def _write_shard(
+    root: Path, shard: _OpenShard, run: _RunSpec, free: queue.Queue[_ShardBuffer]
+) -> dict[str, Any]:
+    """Runs on a writer thread: serialize, write to a temp file, fsync, rename; free the buffer."""
+    try:
+        return _write_shard_file(root, shard, run)
+    finally:
+        free.put(shard.buffer)
+
+
+def _write_shard_file(root: Path, shard: _OpenShard, run: _RunSpec) -> dict[str, Any]:
+    n, buffer = shard.rows, shard.buffer
+    tensors = {
+        name: torch.from_numpy(plane[:n]).view(run.dtype)
+        for name, plane in zip(run.tensor_names, buffer.tensors)
+    }
+    tensors["positions"] = torch.from_numpy(buffer.positions[:n])
+    tensors["token_ids"] = torch.from_numpy(buffer.token_ids[:n])
+    tensors["request_index"] = torch.from_numpy(buffer.request_index[:n])
+    metadata = {
+        "format": "hscapture-shard",
+        "version": str(STORE_VERSION),
+        "run_id": shard.run_id,
+        "request_ids": json.dumps(list(shard.request_lookup)),
+    }
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    path = root / shard_name(shard.shard_id)
+    write_atomic(path, data)
+    return {"type": "shard", "id": shard.shard_id, "file": path.name, "rows": n, "bytes": len(data)}
+
+
+def _add_runs(runs: list[list[int]], positions: np.ndarray) -> None:
+    """Append ``positions`` to a list of ``[start, end)`` runs, merging consecutive ones."""
+    if positions.size == 0:
+        return
+    cuts = np.flatnonzero(np.diff(positions) != 1) + 1
+    for piece in np.split(positions, cuts):
+        start, end = int(piece[0]), int(piece[-1]) + 1
+        if runs and runs[-1][1] == start:
+            runs[-1][1] = end
+        else:
+            runs.append([start, end])
+
+
+def _request_record(request_id: str, request: _Request) -> dict[str, Any]:
+    """The index line of a request: where its rows are and whether it is complete, and why not."""
+    finished = request.finished
+    merged = _merge(request.runs)
+    covered = sum(end - start for start, end in merged)
+    expected = finished.num_tokens if finished is not None and finished.num_tokens else None
+    upper = expected if expected is not None else (merged[-1][1] if merged else 0)
+    missing = _complement(merged, upper)
+    problems = []
+    if finished is None:
+        problems.append(request.end_reason or "no finish event")
+    elif finished.reason != "finished":
+        problems.append(finished.reason)
+    dropped = finished.dropped_rows if finished is not None else 0
+    if dropped:
+        problems.append(f"producer dropped {dropped} rows")
+    if missing:
+        problems.append(f"{sum(e - s for s, e in missing)} positions missing")
+    if covered != request.rows:
+        problems.append(f"{request.rows - covered} duplicate rows")
+    if expected is not None and merged and merged[-1][1] > expected:
+        problems.append(f"positions beyond num_tokens={expected}")
+    return {
+        "type": "request",
+        "id": request_id,
+        "run_id": request.run_id,
+        "status": "incomplete" if problems else "complete",
+        "reason": "; ".join(problems),
+        "rows": request.rows,
+        "num_tokens": expected if expected is not None else covered,
+        "dropped_rows": dropped,
+        "missing": missing,
+        "spans": request.spans,
+        "loss_mask": [list(r) for r in finished.loss_mask] if finished is not None else [],
+        "meta": finished.meta if finished is not None else {},
+    }
+
+
+def _merge(runs: list[list[int]]) -> list[list[int]]:
+    merged: list[list[int]] = []
+    for start, end in sorted(runs):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _complement(merged: list[list[int]], upper: int) -> list[list[int]]:
+    gaps, cursor = [], 0
+    for start, end in merged:
+        if start > cursor:
+            gaps.append([cursor, min(start, upper)])
+        cursor = max(cursor, end)
+    if cursor < upper:
+        gaps.append([cursor, upper])
+    return [g for g in gaps if g[1] > g[0]]

@@ -1,0 +1,411 @@
+"""A tiny Llama model built locally, so tests, examples and the CLI demo never touch a model hub.
+
+The model is random-init (its outputs are noise) but it has the real Llama architecture, a real
+byte-level BPE tokenizer and a chat template, which is all that hidden-state capture needs to
+exercise every code path. Everything is derived from fixed seeds, so two builds on any machine
+give byte-identical files and captured tensors can be compared across runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: Where ``ensure_tiny_model()`` puts the model when no path is given. ``$HSCAPTURE_HOME`` is read
+#: once, at import time; pass an explicit path to ``ensure_tiny_model`` to use another place.
+DEFAULT_DIR: Path = (
+    Path(os.environ.get("HSCAPTURE_HOME", str(Path.home() / ".cache" / "hscapture"))).expanduser()
+    / "tiny-llama"
+)
+
+BOS = "<|bos|>"
+EOS = "<|eos|>"
+PAD = "<|pad|>"
+SYSTEM = "<|system|>"
+USER = "<|user|>"
+ASSISTANT = "<|assistant|>"
+END = "<|end|>"
+#: Special tokens, in id order (they take ids 0..6).
+SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, SYSTEM, USER, ASSISTANT, END)
+
+#: ``{{ bos }}`` then ``<|role|>content<|end|>`` per message, then ``<|assistant|>`` when asked to.
+#: Every message ends on a special token, so the tokenization of a prefix of the conversation is
+#: always a prefix of the tokenization of the whole conversation (what loss masks rely on).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+VOCAB_SIZE = 2048
+#: Architecture of the tiny model; small enough to run a forward pass on a laptop CPU in milliseconds.
+MODEL_SHAPE: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
+
+#: Files whose presence means a finished build (the build only ever appears by an atomic rename).
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+_WORD_TEXT = """
+the of and to in is was for on that with as by at from it this be are an or which not have has had
+but all were they their one can more when there been also who other its into new some time would
+people first two after years only may these over such most many made about then so any up out
+between world state work like used him well through where year three before because both under
+water city each being part day way life long place small found great last three while house light
+system group school number point still same every hand line real name power high world music court
+world book story family night young old good best right game river road south north east west king
+model data value layer token hidden state batch memory cache engine server client request answer
+question reason simple quick careful clear short small large green blue red black white bright dark
+warm cold fast slow early late happy calm busy open close write read learn teach build test check
+make take give keep find send move turn start stop run walk talk think know want need help show try
+call ask tell feel seem leave put mean become begin hold bring stand sit lose pay meet include set
+continue change lead understand watch follow create speak allow add spend grow offer remember love
+consider appear buy wait serve die expect stay fall cut reach kill remain suggest raise pass sell
+require report decide pull explain hope develop carry break receive agree support hit produce eat
+cover catch draw choose cause point listen plan sort count sum compute store load save copy merge
+split join sample train measure compare capture record stream shard ring buffer queue thread process
+kernel tensor vector matrix row column shape size type format file folder path disk network socket
+garden kitchen window table chair door street market village forest mountain ocean island desert
+morning evening winter summer autumn spring weather rain snow wind cloud sun moon star sky field
+apple bread cheese coffee tea milk rice soup salt sugar honey lemon orange grape carrot potato onion
+doctor teacher farmer artist writer driver pilot nurse student friend mother father sister brother
+letter paper pencil picture photo camera phone clock watch key lock box bag shoe coat hat ring
+animal bird fish horse dog cat cow sheep lion tiger bear wolf fox rabbit mouse snake frog bee
+because although however therefore perhaps usually often never always sometimes maybe quite very
+really almost already again soon later today tomorrow yesterday here there everywhere nowhere
+"""
+#: The vocabulary of the generated text, first occurrence kept (the order matters for determinism).
+_WORDS: tuple[str, ...] = tuple(dict.fromkeys(_WORD_TEXT.split()))
+
+_NAMES = (
+    "Ada",
+    "Ben",
+    "Cleo",
+    "Dan",
+    "Eve",
+    "Finn",
+    "Gia",
+    "Hugo",
+    "Iris",
+    "Jon",
+    "Kai",
+    "Lena",
+    "Milo",
+    "Nora",
+    "Otto",
+    "Pia",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tara",
+)
+_TOPICS = (
+    "the garden",
+    "a small kitchen",
+    "the river trip",
+    "a school project",
+    "the market",
+    "a mountain walk",
+    "the music class",
+    "a new server",
+    "the data model",
+    "a memory cache",
+    "the winter plan",
+    "a bread recipe",
+)
+_QUESTION_FORMS = (
+    "How do I {verb} {topic}?",
+    "Can you explain why {name} wants to {verb} {topic}?",
+    "What is the best way to {verb} {topic} before {time}?",
+    "Please help me {verb} {topic}.",
+    "Why would anyone {verb} {topic} {adverb}?",
+    "Write a short note about {topic}.",
+    "Is it true that {name} can {verb} {topic} in {count} days?",
+)
+_SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a careful assistant who answers in short, clear sentences.",
+    "You are a friendly teacher. Explain things simply and give one example.",
+    "Answer as briefly as possible.",
+)
+_VERBS = (
+    "build",
+    "test",
+    "check",
+    "plan",
+    "write",
+    "read",
+    "learn",
+    "compare",
+    "measure",
+    "capture",
+    "store",
+    "move",
+    "explain",
+    "change",
+)
+_ADVERBS = ("quickly", "slowly", "carefully", "often", "never", "always", "early", "late", "again")
+_TIMES = ("tomorrow", "today", "the evening", "the weekend", "winter", "the next meeting")
+
+
+def _sentence(rng: random.Random, min_words: int = 4, max_words: int = 16) -> str:
+    """One capitalised pseudo-English sentence of random words, with occasional commas and numbers."""
+    words: list[str] = []
+    for i in range(rng.randint(min_words, max_words)):
+        roll = rng.random()
+        if roll < 0.04:
+            word = str(rng.randint(0, 2025))
+        elif roll < 0.08:
+            word = rng.choice(_NAMES)
+        else:
+            word = rng.choice(_WORDS)
+        if i > 1 and rng.random() < 0.08:
+            words[-1] += ","
+        words.append(word)
+    words[0] = words[0][:1].upper() + words[0][1:]
+    return " ".join(words) + rng.choice(".....?!")
+
+
+def _paragraph(rng: random.Random, min_sentences: int, max_sentences: int) -> str:
+    """Several sentences; sometimes split over lines or as a short list, like real chat answers."""
+    sentences = [_sentence(rng) for _ in range(rng.randint(min_sentences, max_sentences))]
+    style = rng.random()
+    if style < 0.15 and len(sentences) > 1:
+        return "\n".join(f"{i + 1}. {s}" for i, s in enumerate(sentences))
+    if style < 0.3 and len(sentences) > 1:
+        return "\n\n".join(sentences)
+    return " ".join(sentences)
+
+
+def _question(rng: random.Random) -> str:
+    """A user turn: a templated question, sometimes followed by a sentence of context."""
+    text = rng.choice(_QUESTION_FORMS).format(
+        verb=rng.choice(_VERBS),
+        topic=rng.choice(_TOPICS),
+        name=rng.choice(_NAMES),
+        time=rng.choice(_TIMES),
+        adverb=rng.choice(_ADVERBS),
+        count=rng.randint(2, 30),
+    )
+    if rng.random() < 0.5:
+        text += " " + _paragraph(rng, 1, 3)
+    return text
+
+
+def _corpus(n_lines: int = 6000) -> Iterator[str]:
+    """The tokenizer's training text: the chat-like text the demo uses, generated, never shipped."""
+    rng = random.Random(0)
+    for _ in range(n_lines):
+        roll = rng.random()
+        if roll < 0.2:
+            yield _question(rng)
+        elif roll < 0.25:
+            yield rng.choice(_SYSTEM_PROMPTS)
+        else:
+            yield _paragraph(rng, 1, 4)
+
+
+def demo_conversations(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
+    """Deterministic synthetic chats in OpenAI form, for demos and tests of offline extraction.
+
+    Each record is ``{"id": "demo-00000", "messages": [...]}`` with an optional system message and
+    1-3 user/assistant turns, roughly 20-300 tokens in all with the tiny tokenizer.
+
+    Args:
+        n: Number of conversations.
+        seed: Seed of the generator; the same ``(n, seed)`` always gives the same records.
+
+    Returns:
+        The records, ids ``demo-00000`` upward.
+
+    Raises:
+        ValueError: If ``n`` is negative.
+    """
+    if n < 0:
+        raise ValueError(f"demo_conversations: n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    records: list[dict[str, Any]] = []
+    for i in range(n):
+        messages: list[dict[str, str]] = []
+        if rng.random() < 0.3:
+            messages.append({"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)})
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            messages.append({"role": "user", "content": _question(rng)})
+            long_answer = rng.random() < 0.25
+            messages.append({"role": "assistant", "content": _paragraph(rng, 1, 5 if long_answer else 2)})
+        records.append({"id": f"demo-{i:05d}", "messages": messages})
+    return records
+
+
+def write_demo_jsonl(path: Path | str, n: int = 200) -> Path:
+    """Write ``demo_conversations(n)`` as JSONL (one record per line), for the CLI demo and tests.
+
+    Args:
+        path: File to write; its parent folders are created. An existing file is replaced.
+        n: Number of conversations.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for record in demo_conversations(n):
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+def _is_complete(path: Path) -> bool:
+    """True when every file of a finished build is present."""
+    return all((path / name).is_file() for name in _REQUIRED_FILES)
+
+
+def _build_tokenizer(out_dir: Path) -> Any:
+    """Train the byte-level BPE tokenizer on the generated corpus and save it with its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_corpus(), trainer=trainer)
+    bos_id = backend.token_to_id(BOS)
+    # Plain ``tokenizer(text)`` prepends <|bos|>, like Llama tokenizers; chat templates write it themselves
+    # (``apply_chat_template`` tokenizes with add_special_tokens=False).
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        extra_special_tokens=[SYSTEM, USER, ASSISTANT, END],
+        clean_up_tokenization_spaces=False,
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def _build_model(out_dir: Path, tokenizer: Any) -> None:
+    """Random-init the Llama model from seed 0 and save it as bfloat16 safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=torch.bfloat16,
+        **MODEL_SHAPE,
+    )
+    # fork_rng: seed the init without changing the caller's global torch RNG state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+
+
+def _quiet_progress_bars() -> contextlib.AbstractContextManager[None]:
+    """Hide transformers' "Writing model shards" bar during the build, restoring the caller's setting."""
+    from transformers.utils import logging as hf_logging
+
+    @contextlib.contextmanager
+    def quiet() -> Iterator[None]:
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if was_enabled:
+                hf_logging.enable_progress_bar()
+
+    return quiet()
+
+
+def _make_shareable(folder: Path) -> None:
+    """Give the build the permissions of ordinary files: mkdtemp (and safetensors) create them owner-only."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for child in folder.iterdir():
+        child.chmod(0o666 & ~umask)
+
+
+def ensure_tiny_model(path: Path | str | None = None) -> Path:
+    """Return a folder holding the tiny model and tokenizer, building it the first time (~2-10 s on CPU).
+
+    The build happens in a temporary folder beside ``path`` that is then renamed into place, so a
+    crash never leaves a half-built model, and two processes racing on the same path both end up
+    using whichever build landed first.
+
+    Args:
+        path: Target folder; ``DEFAULT_DIR`` when None.
+
+    Returns:
+        ``path``, loadable with ``AutoTokenizer.from_pretrained`` and
+        ``AutoModelForCausalLM.from_pretrained``.
+
+    Raises:
+        FileExistsError: If ``path`` exists, is not empty and is not a complete tiny model.
+    """
+    path = Path(DEFAULT_DIR if path is None else path).expanduser()
+    if _is_complete(path):
+        return path
+    _check_target(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+    try:
+        with _quiet_progress_bars():
+            tokenizer = _build_tokenizer(tmp)
+            _build_model(tmp, tokenizer)
+        _make_shareable(tmp)
+        try:
+            # rename() of a folder is atomic and fails if the target is a non-empty folder,
+            # which is exactly the case where another process won the race.
+            os.rename(tmp, path)
+        except OSError:
+            if not _is_complete(path):
+                _check_target(path)
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _check_target(path: Path) -> None:
+    """Refuse to build over a folder with foreign content rather than mix files into it."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        missing = [name for name in _REQUIRED_FILES if not (path / name).is_file()]
+        raise FileExistsError(
+            f"ensure_tiny_model: {path} exists but is not a complete tiny model (missing {missing}); "
+            "delete it to rebuild, or pass another path"
+        )
