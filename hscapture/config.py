@@ -100,9 +100,7 @@ class CaptureConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if self.policy not in POLICIES:
-            raise ValueError(
-                f"policy: {self.policy!r} is unknown; use 'block' (lossless) or 'drop' (never waits)"
-            )
+            raise ValueError(f"policy: {self.policy!r} is unknown; use 'block' (lossless) or 'drop' (never waits)")
         _check_int("slot_bytes", self.slot_bytes, 1)
         if self.slot_bytes < self.row_bytes:
             raise ValueError(
@@ -212,9 +210,7 @@ class ConsumerConfig:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
-            raise ValueError(
-                f"out_dir: {str(self.out_dir)!r} is not writable ({exc.strerror}); pick another"
-            ) from exc
+            raise ValueError(f"out_dir: {str(self.out_dir)!r} is not writable ({exc.strerror}); pick another") from exc
         return self.out_dir
 
 

@@ -9,6 +9,7 @@ as a heartbeat, which is how a restarted producer (new run id) finds it again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -119,10 +120,8 @@ class Consumer:
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
         hello = protocol.Hello(v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, run_id=self.run_id)
-        try:
+        with contextlib.suppress(zmq.Again):  # no producer yet: say it again next heartbeat
             self._release.send(protocol.encode(hello), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # no producer yet; say it again next heartbeat
 
     def _handle(self, data: bytes) -> bool:
         """Handle one message; returns True on end of stream."""
@@ -159,9 +158,7 @@ class Consumer:
         self._row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
         self._last_seq = 0
         self.stats.runs += 1
-        log.info(
-            "attached to run %s (%d slots of %d bytes)", layout.run_id, layout.num_slots, layout.slot_bytes
-        )
+        log.info("attached to run %s (%d slots of %d bytes)", layout.run_id, layout.num_slots, layout.slot_bytes)
 
     def _on_chunk(self, chunk: protocol.Chunk) -> None:
         layout, ring = self._layout, self._ring

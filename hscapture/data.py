@@ -78,8 +78,7 @@ def read_records(path: Path | str) -> Iterator[tuple[int, dict[str, Any]]]:
                 line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(
-                    f"{path}:{line_number}: not valid UTF-8 ({e.reason} at byte {e.start}); "
-                    "re-encode the file as UTF-8"
+                    f"{path}:{line_number}: not valid UTF-8 ({e.reason} at byte {e.start}); re-encode the file as UTF-8"
                 ) from e
             if not line.strip():
                 continue
@@ -135,16 +134,12 @@ def _normalize_messages(record: Mapping[str, Any], key: str) -> list[dict[str, s
         field, role_key, content_key, role_map = "conversations", "from", "value", SHAREGPT_ROLES
     turns = record[field]
     if not isinstance(turns, list) or not turns:
-        raise ValueError(
-            f"record {key!r}: field '{field}' must be a non-empty list of messages, got {turns!r:.80}"
-        )
+        raise ValueError(f"record {key!r}: field '{field}' must be a non-empty list of messages, got {turns!r:.80}")
     messages: list[dict[str, str]] = []
     for i, turn in enumerate(turns):
         where = f"record {key!r}: {field}[{i}]"
         if not isinstance(turn, Mapping):
-            raise ValueError(
-                f"{where} must be an object with '{role_key}' and '{content_key}', got {turn!r:.80}"
-            )
+            raise ValueError(f"{where} must be an object with '{role_key}' and '{content_key}', got {turn!r:.80}")
         if role_key not in turn:
             raise ValueError(f"{where}.{role_key} is missing; use one of {sorted(role_map)}")
         role = turn[role_key]
@@ -180,9 +175,7 @@ def _chat_ids(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
     except TemplateError as e:
-        raise ValueError(
-            f"record {key!r}: the tokenizer's chat template rejected the conversation: {e}"
-        ) from e
+        raise ValueError(f"record {key!r}: the tokenizer's chat template rejected the conversation: {e}") from e
     if isinstance(out, Mapping):
         out = out["input_ids"]
     if isinstance(out, torch.Tensor):
@@ -197,9 +190,7 @@ def _check_prefix(full: list[int], part: list[int], key: str, what: str) -> None
     """Raise unless ``part`` is a prefix of ``full``: the incremental loss mask depends on it."""
     if full[: len(part)] == part:
         return
-    at = next(
-        (j for j, (a, b) in enumerate(zip(full, part, strict=False)) if a != b), min(len(full), len(part))
-    )
+    at = next((j for j, (a, b) in enumerate(zip(full, part, strict=False)) if a != b), min(len(full), len(part)))
     raise ValueError(
         f"record {key!r}: the chat template is not prefix-stable: the tokens of {what} are not a prefix of "
         f"the tokens of the whole conversation (they differ from token {at} on), so the assistant's tokens "
@@ -272,9 +263,7 @@ def tokenize_record(
     if not isinstance(record, Mapping):
         raise ValueError(f"record {index}: expected a JSON object, got {type(record).__name__}")
     key = record_key(record, index)
-    if max_length is not None and (
-        isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
-    ):
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
 
     is_chat = "messages" in record or "conversations" in record or "prompt" in record

@@ -290,9 +290,7 @@ class Producer:
     ) -> int:
         config = self.config
         if len(states) != config.num_tensors:
-            raise ValueError(
-                f"states: planned {config.num_tensors} tensors {config.tensor_names}, got {len(states)}"
-            )
+            raise ValueError(f"states: planned {config.num_tensors} tensors {config.tensor_names}, got {len(states)}")
         first = states[0]
         for name, state in zip(config.tensor_names, states):
             if state.dim() != 2 or state.shape[1] != config.hidden_size or state.shape[0] != first.shape[0]:
@@ -300,9 +298,7 @@ class Producer:
                     f"states[{name}]: planned [{first.shape[0]}, {config.hidden_size}], got {list(state.shape)}"
                 )
             if state.dtype != config.torch_dtype:
-                raise ValueError(
-                    f"states[{name}]: planned dtype {config.dtype}, got {dtype_name(state.dtype)}"
-                )
+                raise ValueError(f"states[{name}]: planned dtype {config.dtype}, got {dtype_name(state.dtype)}")
         rows = first.shape[0] if row_index is None else row_index.numel()
         if len(request_ids) != len(request_rows) or sum(request_rows) != rows:
             raise ValueError(
@@ -486,9 +482,7 @@ class NullProducer:
         return None
 
 
-def _spans(
-    request_ids: Sequence[str], starts: list[int], begin: int, end: int
-) -> tuple[list[str], list[int]]:
+def _spans(request_ids: Sequence[str], starts: list[int], begin: int, end: int) -> tuple[list[str], list[int]]:
     """Request ids and row counts covering kept rows ``[begin, end)``; ``starts`` are cumulative."""
     first = bisect.bisect_right(starts, begin) - 1
     ids: list[str] = []

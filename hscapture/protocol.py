@@ -177,18 +177,14 @@ def pack_rows(values: np.ndarray) -> bytes:
 def unpack_rows(data: bytes, rows: int, field: str) -> np.ndarray:
     """bytes of a :class:`Chunk` field -> int64 array of ``rows``, checked."""
     if len(data) != rows * ROW_DTYPE.itemsize:
-        raise ProtocolError(
-            f"Chunk.{field}: {len(data)} bytes, expected {rows * ROW_DTYPE.itemsize} for {rows} rows"
-        )
+        raise ProtocolError(f"Chunk.{field}: {len(data)} bytes, expected {rows * ROW_DTYPE.itemsize} for {rows} rows")
     return np.frombuffer(data, dtype=ROW_DTYPE)
 
 
 def check_chunk(chunk: Chunk, layout: Layout, row_bytes: int) -> None:
     """Reject a chunk that would read outside its slot or whose row metadata does not add up."""
     if not 0 <= chunk.slot < layout.num_slots:
-        raise ProtocolError(
-            f"Chunk.slot: {chunk.slot} out of range 0..{layout.num_slots - 1} (seq {chunk.seq})"
-        )
+        raise ProtocolError(f"Chunk.slot: {chunk.slot} out of range 0..{layout.num_slots - 1} (seq {chunk.seq})")
     if chunk.offset != chunk.slot * layout.slot_bytes:
         raise ProtocolError(
             f"Chunk.offset: {chunk.offset} is not the start of slot {chunk.slot} "
@@ -205,6 +201,4 @@ def check_chunk(chunk: Chunk, layout: Layout, row_bytes: int) -> None:
             f"expected {chunk.rows} rows (seq {chunk.seq})"
         )
     if any(n <= 0 for n in chunk.request_rows):
-        raise ProtocolError(
-            f"Chunk.request_rows: counts must be positive, got {chunk.request_rows} (seq {chunk.seq})"
-        )
+        raise ProtocolError(f"Chunk.request_rows: counts must be positive, got {chunk.request_rows} (seq {chunk.seq})")

@@ -33,9 +33,7 @@ class Store:
         self.root = Path(root)
         meta_path = self.root / META_FILE
         if not meta_path.exists():
-            raise StoreError(
-                f"{self.root}: no {META_FILE}; not an hscapture store (or nothing was captured yet)"
-            )
+            raise StoreError(f"{self.root}: no {META_FILE}; not an hscapture store (or nothing was captured yet)")
         self._meta: dict[str, Any] = json.loads(meta_path.read_text())
         self._runs: list[dict[str, Any]] = []
         self._run_ends: dict[str, dict[str, Any]] = {}
@@ -143,9 +141,7 @@ class Store:
             self._open.move_to_end(shard_id)
             return handle
         if shard_id not in self._shards:
-            raise StoreError(
-                f"{self.root}: shard {shard_id} is referenced but not indexed; the index is corrupt"
-            )
+            raise StoreError(f"{self.root}: shard {shard_id} is referenced but not indexed; the index is corrupt")
         path = self.root / shard_name(shard_id)
         if not path.exists():
             raise StoreError(f"{path}: missing; the store was damaged after it was written")

@@ -122,9 +122,7 @@ class HostRingReader(RingReader):
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
-            raise ProtocolError(
-                f"Layout.ring: cannot open {path} ({exc.strerror}); is the producer alive?"
-            ) from None
+            raise ProtocolError(f"Layout.ring: cannot open {path} ({exc.strerror}); is the producer alive?") from None
         try:
             size = os.fstat(fd).st_size
             if size != nbytes:
@@ -137,9 +135,7 @@ class HostRingReader(RingReader):
 
     def fetch(self, slot: int, offset: int, nbytes: int) -> np.ndarray:
         if offset < 0 or offset + nbytes > self.nbytes:
-            raise ProtocolError(
-                f"Chunk: bytes {offset}..{offset + nbytes} fall outside the ring of {self.nbytes}"
-            )
+            raise ProtocolError(f"Chunk: bytes {offset}..{offset + nbytes} fall outside the ring of {self.nbytes}")
         return self._view[offset : offset + nbytes]
 
     def close(self) -> None:

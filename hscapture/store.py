@@ -159,9 +159,7 @@ class StoreWriter:
             self.end_run("producer restarted", {})
         if layout.dtype not in DTYPES:
             raise StoreError(f"Layout.dtype: {layout.dtype!r} is not a storable dtype ({sorted(DTYPES)})")
-        tensors = [
-            {"name": n, "description": d} for n, d in zip(layout.tensor_names, layout.tensor_descriptions)
-        ]
+        tensors = [{"name": n, "description": d} for n, d in zip(layout.tensor_names, layout.tensor_descriptions)]
         spec = {"dtype": layout.dtype, "hidden_size": layout.hidden_size, "tensors": tensors}
         if self._meta is None:
             self._meta = {"format": STORE_FORMAT, "version": STORE_VERSION, **spec}
@@ -170,8 +168,7 @@ class StoreWriter:
             stored = {k: self._meta.get(k) for k in spec}
             if stored != spec:
                 raise StoreError(
-                    f"{self.root}: holds {stored}, the producer sends {spec}; "
-                    "write this run to another --out directory"
+                    f"{self.root}: holds {stored}, the producer sends {spec}; write this run to another --out directory"
                 )
         dtype = DTYPES[layout.dtype]
         row_bytes = len(tensors) * layout.hidden_size * dtype.itemsize
@@ -195,7 +192,7 @@ class StoreWriter:
             return
         self._flush_shard()
         self._wait_writes()
-        for request_id, request in list(self._requests.items()):
+        for request in self._requests.values():
             if request.finished is None and request.run_id == run.run_id:
                 request.end_reason = reason
         self._commit_ready()
@@ -387,9 +384,7 @@ def _new_buffer(run: _RunSpec) -> _ShardBuffer:
     )
 
 
-def _write_shard(
-    root: Path, shard: _OpenShard, run: _RunSpec, free: queue.Queue[_ShardBuffer]
-) -> dict[str, Any]:
+def _write_shard(root: Path, shard: _OpenShard, run: _RunSpec, free: queue.Queue[_ShardBuffer]) -> dict[str, Any]:
     """Runs on a writer thread: serialize, write to a temp file, fsync, rename; free the buffer."""
     try:
         return _write_shard_file(root, shard, run)
@@ -400,8 +395,7 @@ def _write_shard(
 def _write_shard_file(root: Path, shard: _OpenShard, run: _RunSpec) -> dict[str, Any]:
     n, buffer = shard.rows, shard.buffer
     tensors = {
-        name: torch.from_numpy(plane[:n]).view(run.dtype)
-        for name, plane in zip(run.tensor_names, buffer.tensors)
+        name: torch.from_numpy(plane[:n]).view(run.dtype) for name, plane in zip(run.tensor_names, buffer.tensors)
     }
     tensors["positions"] = torch.from_numpy(buffer.positions[:n])
     tensors["token_ids"] = torch.from_numpy(buffer.token_ids[:n])

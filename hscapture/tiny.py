@@ -21,8 +21,7 @@ from typing import Any
 #: Where ``ensure_tiny_model()`` puts the model when no path is given. ``$HSCAPTURE_HOME`` is read
 #: once, at import time; pass an explicit path to ``ensure_tiny_model`` to use another place.
 DEFAULT_DIR: Path = (
-    Path(os.environ.get("HSCAPTURE_HOME", str(Path.home() / ".cache" / "hscapture"))).expanduser()
-    / "tiny-llama"
+    Path(os.environ.get("HSCAPTURE_HOME", str(Path.home() / ".cache" / "hscapture"))).expanduser() / "tiny-llama"
 )
 
 BOS = "<|bos|>"

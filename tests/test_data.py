@@ -358,7 +358,13 @@ def test_load_samples(tokenizer: Any, tmp_path: Path) -> None:
     assert samples[0] == tokenize_record({"id": "a", "messages": CHAT}, tokenizer, 0, None)
     skipped = list(load_samples(path, tokenizer, skip_keys={"a", "sample-00000002"}))
     assert [s.key for s in skipped] == ["sample-00000001"]
-    assert [len(s.input_ids) for s in load_samples(path, tokenizer, max_length=5)] == [5, 5, 3]
+    short = tokenize_record({"text": "the"}, tokenizer, 0, None)
+    assert len(short.input_ids) == 2  # <|bos|> the
+    write_jsonl(path, [{"id": "a", "messages": CHAT}, {"text": "the"}])
+    assert [s.input_ids for s in load_samples(path, tokenizer, max_length=5)] == [
+        samples[0].input_ids[:5],
+        short.input_ids,
+    ]
 
 
 def test_load_samples_errors_name_line_and_key(tokenizer: Any, tmp_path: Path) -> None:
