@@ -189,6 +189,8 @@ class ConsumerConfig:
     exit_on_eos: bool = False
     #: Sleep this long per chunk: simulates a slow consumer (tests, drop-policy benchmarks).
     delay_ms: float = 0.0
+    #: Finish the store and exit when this process is gone (the extraction that started us).
+    watch_pid: int | None = None
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -204,14 +206,19 @@ class ConsumerConfig:
 
     def check_out_dir(self) -> Path:
         """Create ``out_dir`` if needed and prove it writable, or raise naming the path."""
-        try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.out_dir / f".write-probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise ValueError(f"out_dir: {str(self.out_dir)!r} is not writable ({exc.strerror}); pick another") from exc
-        return self.out_dir
+        return ensure_writable_dir(self.out_dir, "out_dir")
+
+
+def ensure_writable_dir(path: Path, field_name: str) -> Path:
+    """Create ``path`` if needed and prove it writable, or raise a ValueError naming ``field_name``."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"{field_name}: {str(path)!r} is not writable ({exc.strerror}); pick another") from None
+    return path
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

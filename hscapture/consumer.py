@@ -99,6 +99,10 @@ class Consumer:
                         if self._handle(data) and self.config.exit_on_eos:
                             return self.stats
                 self.store.tick()
+                if self.config.watch_pid is not None and not _alive(self.config.watch_pid):
+                    log.warning("process %d is gone; finishing the store", self.config.watch_pid)
+                    self.close(f"process {self.config.watch_pid} exited")
+                    break
             return self.stats
         finally:
             self.close()
@@ -194,3 +198,13 @@ class Consumer:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

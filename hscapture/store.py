@@ -10,6 +10,7 @@ So a crash at any moment leaves an index that lists only complete shards and req
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import safetensors.torch
@@ -34,6 +35,7 @@ STORE_FORMAT = "hscapture-store"
 STORE_VERSION = 1
 INDEX_FILE = "index.jsonl"
 META_FILE = "meta.json"
+LOCK_FILE = ".lock"
 
 
 def shard_name(shard_id: int) -> str:
@@ -67,6 +69,28 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _lock_store(root: Path, timeout_s: float) -> IO[str]:
+    """Take the store's writer lock (one writer per store), waiting up to ``timeout_s``."""
+    handle = (root / LOCK_FILE).open("a+")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                handle.seek(0)
+                owner = handle.read().strip() or "another process"
+                handle.close()
+                raise StoreError(f"{root}: being written by {owner}; stop it or write to another directory") from None
+            time.sleep(0.1)
+            continue
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        return handle
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -126,11 +150,23 @@ class StoreWriter:
         writer_threads: threads writing shards in parallel.
         flush_s: a shard open longer than this is written even if not full, so streaming
             capture of a quiet server still reaches disk.
+        lock_timeout_s: how long to wait for another writer of the same store to finish.
+
+    Raises:
+        StoreError: another process keeps writing this store, or it holds another format.
     """
 
-    def __init__(self, root: Path, shard_bytes: int, writer_threads: int = 2, flush_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        root: Path,
+        shard_bytes: int,
+        writer_threads: int = 2,
+        flush_s: float = 30.0,
+        lock_timeout_s: float = 30.0,
+    ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_store(self.root, lock_timeout_s)
         self.shard_bytes = shard_bytes
         self.flush_s = flush_s
         self._repair_index()
@@ -254,6 +290,7 @@ class StoreWriter:
         finally:
             self._pool.shutdown(wait=True)
             self._index.close()
+            self._lock.close()
 
     # ------------------------------------------------------------------ internals
 

@@ -332,30 +332,25 @@ def _build_model(out_dir: Path, tokenizer: Any) -> None:
     model.save_pretrained(out_dir)
 
 
-def _quiet_progress_bars() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
     """Hide transformers' "Writing model shards" bar during the build, restoring the caller's setting."""
     from transformers.utils import logging as hf_logging
 
-    @contextlib.contextmanager
-    def quiet() -> Iterator[None]:
-        was_enabled = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            yield
-        finally:
-            if was_enabled:
-                hf_logging.enable_progress_bar()
-
-    return quiet()
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _make_shareable(folder: Path) -> None:
-    """Give the build the permissions of ordinary files: mkdtemp (and safetensors) create them owner-only."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
+    """Make the build world-readable like a normal download: mkdtemp (and safetensors) create it owner-only."""
+    folder.chmod(0o755)
     for child in folder.iterdir():
-        child.chmod(0o666 & ~umask)
+        child.chmod(0o644)
 
 
 def ensure_tiny_model(path: Path | str | None = None) -> Path:

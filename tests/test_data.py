@@ -101,8 +101,7 @@ def test_tiny_model_loads_and_runs(tiny_dir: Path, tokenizer: Any) -> None:
 def test_chat_template_format(tokenizer: Any) -> None:
     text = tokenizer.apply_chat_template(CHAT[:2], tokenize=False, add_generation_prompt=True)
     assert text == (
-        "<|bos|><|system|>You are a careful assistant.<|end|>"
-        "<|user|>How do I build the garden?<|end|><|assistant|>"
+        "<|bos|><|system|>You are a careful assistant.<|end|><|user|>How do I build the garden?<|end|><|assistant|>"
     )
     # Role markers are single special tokens and never merge with the text around them.
     tokens = tokenizer.convert_ids_to_tokens(tokenizer.apply_chat_template(CHAT[:2], return_dict=False))
@@ -226,9 +225,7 @@ def test_sharegpt_equals_openai(tokenizer: Any) -> None:
 
 def test_prompt_and_text_records(tokenizer: Any) -> None:
     prompt = tokenize_record({"prompt": "How do I build the garden?"}, tokenizer, 0, None)
-    assert (
-        tokenizer.decode(prompt.input_ids) == "<|bos|><|user|>How do I build the garden?<|end|><|assistant|>"
-    )
+    assert tokenizer.decode(prompt.input_ids) == "<|bos|><|user|>How do I build the garden?<|end|><|assistant|>"
     assert prompt.loss_mask == [0] * len(prompt.input_ids)
 
     text = tokenize_record({"id": 7, "text": "The river is warm today."}, tokenizer, 0, None)
@@ -303,9 +300,7 @@ def test_template_that_rewrites_history_is_rejected(tiny_dir: Path) -> None:
 def test_template_errors_and_missing_template(tiny_dir: Path) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     tok.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
-    with pytest.raises(
-        ValueError, match=r"record 't1': the tokenizer's chat template rejected.*must alternate"
-    ):
+    with pytest.raises(ValueError, match=r"record 't1': the tokenizer's chat template rejected.*must alternate"):
         tokenize_record({"id": "t1", "messages": CHAT}, tok, 0, None)
     tok.chat_template = None
     with pytest.raises(ValueError, match=r"record 't2': the tokenizer has no chat_template"):
@@ -358,13 +353,9 @@ def test_load_samples(tokenizer: Any, tmp_path: Path) -> None:
     assert samples[0] == tokenize_record({"id": "a", "messages": CHAT}, tokenizer, 0, None)
     skipped = list(load_samples(path, tokenizer, skip_keys={"a", "sample-00000002"}))
     assert [s.key for s in skipped] == ["sample-00000001"]
-    short = tokenize_record({"text": "the"}, tokenizer, 0, None)
-    assert len(short.input_ids) == 2  # <|bos|> the
-    write_jsonl(path, [{"id": "a", "messages": CHAT}, {"text": "the"}])
-    assert [s.input_ids for s in load_samples(path, tokenizer, max_length=5)] == [
-        samples[0].input_ids[:5],
-        short.input_ids,
-    ]
+    cut = list(load_samples(path, tokenizer, max_length=5))
+    assert [s.input_ids for s in cut] == [s.input_ids[:5] for s in samples]
+    assert [s.loss_mask for s in cut] == [s.loss_mask[:5] for s in samples]
 
 
 def test_load_samples_errors_name_line_and_key(tokenizer: Any, tmp_path: Path) -> None:
@@ -436,10 +427,7 @@ def test_plan_batches_properties(lengths: list[int], max_batch_tokens: int, max_
         assert len(batch) * widest <= max_batch_tokens or len(batch) == 1
         if i + 1 < len(plan):  # greedy: the next sample did not fit
             grown = [*batch, plan[i + 1][0]]
-            assert (
-                len(grown) > max_batch_size
-                or len(grown) * max(len(s.input_ids) for s in grown) > max_batch_tokens
-            )
+            assert len(grown) > max_batch_size or len(grown) * max(len(s.input_ids) for s in grown) > max_batch_tokens
 
 
 def test_pad_batch() -> None:

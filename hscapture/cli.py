@@ -1,0 +1,156 @@
+"""``hscapture`` command line: ``extract`` (offline bulk extraction) and ``consume`` (the consumer)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from hscapture.config import MiB, default_endpoint
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give layer ids as integers, e.g. --layers 2,16,29") from None
+
+
+def _size(text: str) -> int:
+    """Bytes from '256M', '1G', '4096'."""
+    units = {"K": 1 << 10, "M": MiB, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size like 256M, 1G or 4096") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hscapture", description="Capture per-layer hidden states from an LLM engine at almost no cost."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    ext = commands.add_parser(
+        "extract",
+        help="run a model over a dataset and store its hidden states",
+        description="Offline bulk extraction. With no --model and no --data it uses an embedded tiny Llama "
+        "and 200 demo conversations, so it runs anywhere without downloads.",
+    )
+    ext.add_argument("--out", type=Path, required=True, help="store directory (resumed if it exists)")
+    ext.add_argument("--model", type=Path, help="local HF model directory (default: embedded tiny Llama)")
+    ext.add_argument("--data", type=Path, help="JSONL: OpenAI messages, ShareGPT conversations, prompt or text")
+    ext.add_argument(
+        "--layers", type=_layers, help="layer ids k = residual stream entering layer k (default: EAGLE-3's 2,L/2,L-3)"
+    )
+    ext.add_argument("--no-last", action="store_true", help="do not capture the post-norm final hidden state")
+    ext.add_argument("--dtype", help="bfloat16, float16 or float32 (default: the model's dtype)")
+    ext.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
+    ext.add_argument("--max-length", type=int, help="truncate samples to this many tokens")
+    ext.add_argument("--max-batch-tokens", type=int, default=4096, help="padded tokens per forward (default 4096)")
+    ext.add_argument("--max-batch-size", type=int, default=64, help="samples per forward (default 64)")
+    ext.add_argument("--limit", type=int, help="stop after this many samples")
+    ext.add_argument("--shard-size", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
+    ext.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    con = commands.add_parser(
+        "consume",
+        help="attach to a producer and write what it captures to a store",
+        description="The consumer process: attaches to a producer (also one started later or restarted), copies "
+        "ring slots out, releases them, and writes shards. Stops cleanly on Ctrl-C.",
+    )
+    con.add_argument("--out", type=Path, required=True, help="store directory (appended to if it exists)")
+    con.add_argument("--endpoint", default=default_endpoint(), help="producer endpoint (default: %(default)s)")
+    con.add_argument("--shard-bytes", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
+    con.add_argument("--writer-threads", type=int, default=2, help="threads writing shards (default 2)")
+    con.add_argument("--flush-s", type=float, default=30.0, help="write an open shard after this many seconds")
+    con.add_argument("--exit-on-eos", action="store_true", help="exit at the producer's end of stream")
+    con.add_argument("--delay-ms", type=float, default=0.0, help="sleep per chunk (simulate a slow consumer)")
+    con.add_argument("--watch-pid", type=int, help="finish and exit when this process is gone")
+    con.add_argument("--quiet", action="store_true", help="print nothing but warnings")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet = args.command == "extract" or getattr(args, "quiet", False)
+    level = logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "extract":
+            return _extract(args)
+        return _consume(args)
+    except (ValueError, TypeError) as exc:
+        print(f"hscapture {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _extract(args: argparse.Namespace) -> int:
+    from hscapture.errors import HSCaptureError
+    from hscapture.extract import ExtractOptions, extract
+
+    options = ExtractOptions(
+        out=args.out,
+        model=args.model,
+        data=args.data,
+        layers=args.layers,
+        capture_last=not args.no_last,
+        dtype=args.dtype,
+        device=args.device,
+        max_length=args.max_length,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_size=args.max_batch_size,
+        limit=args.limit,
+        shard_bytes=args.shard_size,
+        progress=not args.no_progress,
+    )
+    try:
+        summary = extract(options)
+    except HSCaptureError as exc:
+        print(f"hscapture extract: failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; run the same command again to resume into {args.out}", file=sys.stderr)
+        return 130
+    store = summary.store
+    print(
+        f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
+        f"({summary.tokens_per_s:.0f} tok/s); {summary.skipped} were already there\n"
+        f"store {args.out}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
+        f"{store['rows']} rows, {store['shards']} shards, {store['bytes'] / MiB:.1f} MiB, "
+        f"{store['rows_dropped']} rows dropped\n"
+        f"read it: python -c \"from hscapture import open_store; s = open_store('{args.out}'); "
+        'print(s.get(s.keys()[0]))"'
+    )
+    return 0
+
+
+def _consume(args: argparse.Namespace) -> int:
+    from hscapture.config import ConsumerConfig
+    from hscapture.consumer import Consumer
+
+    config = ConsumerConfig(
+        out_dir=args.out,
+        endpoint=args.endpoint,
+        shard_bytes=args.shard_bytes,
+        writer_threads=args.writer_threads,
+        flush_s=args.flush_s,
+        exit_on_eos=args.exit_on_eos,
+        delay_ms=args.delay_ms,
+        watch_pid=args.watch_pid,
+    )
+    consumer = Consumer(config)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: consumer.stop())
+    if not args.quiet:
+        print(f"consuming {args.endpoint} into {args.out}; Ctrl-C finishes the store and exits", file=sys.stderr)
+    stats = consumer.run()
+    if not args.quiet:
+        print(f"done: {stats.to_dict()}", file=sys.stderr)
+    return 0
