@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--shard-bytes", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
     con.add_argument("--writer-threads", type=int, default=2, help="threads writing shards (default 2)")
     con.add_argument("--flush-s", type=float, default=30.0, help="write an open shard after this many seconds")
+    con.add_argument("--heartbeat-ms", type=int, default=200, help="hello/heartbeat period (default 200)")
     con.add_argument("--exit-on-eos", action="store_true", help="exit at the producer's end of stream")
     con.add_argument("--delay-ms", type=float, default=0.0, help="sleep per chunk (simulate a slow consumer)")
     con.add_argument("--watch-pid", type=int, help="finish and exit when this process is gone")
@@ -141,6 +142,7 @@ def _consume(args: argparse.Namespace) -> int:
         shard_bytes=args.shard_bytes,
         writer_threads=args.writer_threads,
         flush_s=args.flush_s,
+        heartbeat_ms=args.heartbeat_ms,
         exit_on_eos=args.exit_on_eos,
         delay_ms=args.delay_ms,
         watch_pid=args.watch_pid,

@@ -1,0 +1,211 @@
+"""Producer -> consumer in a separate process over real ZeroMQ and the shared-memory ring -> store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hscapture import open_store
+from tests.conftest import ConsumerFactory, wait_attached
+from tests.workload import Workload, make_config, make_producer
+
+
+def check_store(out: Path, workloads: list[Workload], keys: list[str] | None = None) -> dict[str, dict]:
+    """Every stored row equals the row produced at its position; returns records by request id."""
+    store = open_store(out)
+    references = {rid: w for w in workloads for rid in w.requests}
+    records = {}
+    for rid in store.keys() if keys is None else keys:
+        sample = store.get(rid)
+        rows, tokens = references[rid].reference(rid)
+        positions = sample["positions"]
+        assert positions.unique().numel() == positions.numel(), f"{rid}: duplicate positions"
+        stored = torch.stack([sample[name] for name in ("layer_1", "layer_3", "last")], dim=1)
+        assert torch.equal(stored, rows[positions]), f"{rid}: rows differ from what was produced"
+        assert sample["input_ids"].tolist() == [tokens[p] for p in positions.tolist()], rid
+        record = store.record(rid)
+        if record["status"] == "complete":
+            assert positions.tolist() == list(range(len(tokens))), rid
+            assert sample["loss_mask"].tolist() == [0] + [1] * (len(tokens) - 1), rid
+        records[rid] = record
+    return records
+
+
+def test_round_trip_is_bitwise_across_slots_and_shards(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", "--shard-bytes", "20000")
+    producer = make_producer(make_config(endpoint, policy="block"))
+    workload = Workload(seed=1)
+    for _ in range(150):
+        workload.step(producer)
+    counters = producer.close()
+    assert consumer.wait(30) == 0
+    records = check_store(tmp_path, [workload])
+    assert counters.rows_dropped == 0 and counters.rows_captured == workload.total_rows
+    assert set(workload.finished) <= set(records)
+    assert all(records[rid]["status"] == "complete" for rid in workload.finished)
+    unfinished = set(workload.running)
+    assert {rid for rid, r in records.items() if r["status"] != "complete"} == unfinished
+    assert all("end of stream" in records[rid]["reason"] for rid in unfinished)
+    summary = open_store(tmp_path).summary()
+    assert summary["shards"] > 3 and summary["rows"] == workload.total_rows
+
+
+def test_block_policy_with_slow_consumer_loses_nothing(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", "--delay-ms", "5")
+    producer = make_producer(make_config(endpoint, policy="block", slots=2, rows_per_slot=16))
+    workload = Workload(seed=2)
+    for _ in range(80):
+        workload.step(producer)
+    counters = producer.close()
+    assert consumer.wait(30) == 0
+    records = check_store(tmp_path, [workload])
+    assert counters.credit_waits > 0, "the consumer was not slow enough to exercise back-pressure"
+    assert counters.rows_dropped == 0 and counters.rows_captured == workload.total_rows
+    assert all(records[rid]["status"] == "complete" for rid in workload.finished)
+    assert sum(r["rows"] for r in records.values()) == workload.total_rows
+
+
+def test_drop_policy_never_waits_and_counts_drops_exactly(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", "--delay-ms", "20")
+    producer = make_producer(make_config(endpoint, policy="drop", slots=2, rows_per_slot=16))
+    wait_attached(producer)
+    workload = Workload(seed=3)
+    announced = sum(workload.step(producer) for _ in range(200))
+    counters = producer.close()
+    assert consumer.wait(30) == 0
+    # The producer's own counters: it never waited, and every row is either announced or dropped.
+    assert counters.credit_waits == 0 and counters.credit_wait_us == 0
+    assert counters.rows_dropped > 0, "the consumer was not slow enough to force drops"
+    assert counters.rows_captured == announced
+    assert counters.rows_captured + counters.rows_dropped == workload.total_rows
+    records = check_store(tmp_path, [workload])
+    store = open_store(tmp_path)
+    assert store.summary()["rows_dropped"] == counters.rows_dropped
+    assert sum(r["rows"] for r in records.values()) == counters.rows_captured
+    finished = [records[rid] for rid in workload.finished]
+    assert sum(r["dropped_rows"] for r in finished) == sum(
+        len(workload.requests[rid].rows) - records[rid]["rows"] for rid in workload.finished
+    )
+    for record in finished:
+        missing = sum(end - start for start, end in record["missing"])
+        assert missing == record["dropped_rows"]
+        assert (record["status"] == "complete") == (record["dropped_rows"] == 0)
+
+
+def test_consumer_started_after_producer_attaches_and_captures_from_there(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    producer = make_producer(make_config(endpoint, policy="drop"))
+    workload = Workload(seed=4)
+    before = sum(workload.step(producer) for _ in range(30))
+    assert before == 0 and producer.counters.rows_dropped == workload.total_rows
+    early = set(workload.requests)
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    wait_attached(producer)
+    dropped_before = producer.counters.rows_dropped
+    for _ in range(60):
+        workload.step(producer)
+        time.sleep(0.005)  # a serving pace the consumer keeps up with
+    counters = producer.close()
+    assert consumer.wait(30) == 0
+    assert counters.rows_dropped == dropped_before, "rows dropped after the consumer attached"
+    records = check_store(tmp_path, [workload])
+    late_finished = [rid for rid in workload.finished if rid not in early]
+    assert late_finished and all(records[rid]["status"] == "complete" for rid in late_finished)
+    spanning = [rid for rid in early if rid in records]
+    for rid in spanning:  # requests that began before the consumer: their early rows are missing
+        assert records[rid]["status"] == "incomplete" and records[rid]["missing"][0][0] == 0
+    assert counters.rows_captured + counters.rows_dropped == workload.total_rows
+
+
+def test_consumer_restarted_mid_run_reattaches_and_continues(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    first = start_consumer(tmp_path, endpoint, "--shard-bytes", "8000", "--flush-s", "0.2")
+    producer = make_producer(make_config(endpoint, policy="block"))
+    workload = Workload(seed=5)
+    for _ in range(40):
+        workload.step(producer)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    before_restart = set(workload.requests)
+    second = start_consumer(tmp_path, endpoint, "--exit-on-eos", "--shard-bytes", "8000")
+    for _ in range(60):  # blocks until the new consumer attaches; in-flight slots are announced again
+        workload.step(producer)
+    counters = producer.close()
+    assert second.wait(30) == 0
+    assert counters.attaches == 2 and counters.rows_dropped == 0
+    records = check_store(tmp_path, [workload])
+    after = [rid for rid in workload.finished if rid not in before_restart]
+    assert after and all(records[rid]["status"] == "complete" for rid in after)
+
+
+def test_producer_restarted_is_found_again_by_a_running_consumer(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    consumer = start_consumer(tmp_path, endpoint)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    crashed = subprocess.Popen(
+        [sys.executable, "-m", "tests.workload", "--endpoint", endpoint, "--seed", "6", "--prefix", "a"],
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    assert crashed.stdout is not None
+    for _ in range(40):  # let it produce a while, then kill it without any goodbye
+        crashed.stdout.readline()
+    crashed.kill()
+    crashed.wait()
+    producer = make_producer(make_config(endpoint, policy="block"))
+    workload = Workload(seed=7, prefix="b")
+    for _ in range(60):
+        workload.step(producer)
+    producer.close()
+    time.sleep(0.5)
+    consumer.send_signal(signal.SIGTERM)
+    assert consumer.wait(30) == 0
+    store = open_store(tmp_path)
+    runs = store.metadata()["runs"]
+    assert len(runs) == 2 and runs[0]["end"]["reason"] == "producer restarted"
+    records = check_store(tmp_path, [workload], keys=[rid for rid in store.keys() if rid.startswith("b")])
+    assert all(records[rid]["status"] == "complete" for rid in workload.finished)
+    first = [rid for rid in store.keys() if rid.startswith("a")]
+    assert first, "nothing captured from the producer that crashed"
+    for rid in first:
+        record = store.record(rid)
+        assert record["status"] == "complete" or record["reason"]
+
+
+@pytest.mark.parametrize("policy", ["block", "drop"])
+def test_producer_rejects_steps_that_do_not_match_the_plan(endpoint: str, policy: str) -> None:
+    producer = make_producer(make_config(endpoint, policy=policy))
+    good = [torch.zeros(3, 32) for _ in range(3)]
+    with pytest.raises(ValueError, match="planned 3 tensors"):
+        producer.capture_step(good[:2], ["a"], [3], [0, 1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match="planned dtype float32, got bfloat16"):
+        producer.capture_step([g.bfloat16() for g in good], ["a"], [3], [0, 1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match=r"planned \[3, 32\], got \[3, 16\]"):
+        producer.capture_step([*good[:2], torch.zeros(3, 16)], ["a"], [3], [0, 1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match="summing to 2"):
+        producer.capture_step(good, ["a"], [2], [0, 1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match="positions: planned 3 values"):
+        producer.capture_step(good, ["a"], [3], [0, 1], [1, 2, 3])
+    big = [torch.zeros(40, 32) for _ in range(3)]
+    with pytest.raises(ValueError, match="max_step_rows=32, got 40"):
+        producer.capture_step(big, ["a"], [40], list(range(40)), list(range(40)))
+    producer.close()
+    producer.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        producer.capture_step(good, ["a"], [3], [0, 1, 2], [1, 2, 3])
