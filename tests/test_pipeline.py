@@ -179,9 +179,9 @@ def test_producer_restarted_is_found_again_by_a_running_consumer(
     store = open_store(tmp_path)
     runs = store.metadata()["runs"]
     assert len(runs) == 2 and runs[0]["end"]["reason"] == "producer restarted"
-    records = check_store(tmp_path, [workload], keys=[rid for rid in store.keys() if rid.startswith("b")])
+    records = check_store(tmp_path, [workload], keys=[rid for rid in store if rid.startswith("b")])
     assert all(records[rid]["status"] == "complete" for rid in workload.finished)
-    first = [rid for rid in store.keys() if rid.startswith("a")]
+    first = [rid for rid in store if rid.startswith("a")]
     assert first, "nothing captured from the producer that crashed"
     for rid in first:
         record = store.record(rid)

@@ -102,7 +102,17 @@ class Workload:
                 producer.finish_request(rid, num_tokens=len(request.rows), loss_mask=[(1, len(request.rows))])
         return announced
 
-    def _add(self, rid, n, ids, counts, positions, tokens, rows, front: bool = False) -> None:  # noqa: ANN001
+    def _add(
+        self,
+        rid: str,
+        n: int,
+        ids: list[str],
+        counts: list[int],
+        positions: list[int],
+        tokens: list[int],
+        rows: list[torch.Tensor],
+        front: bool = False,
+    ) -> None:
         request = self.requests[rid]
         start = len(request.rows)
         block = torch.randn(NUM_TENSORS, n, HIDDEN, generator=self.gen) + 1.0
