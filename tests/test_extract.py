@@ -1,0 +1,171 @@
+"""Offline extraction end to end: the tiny HF model, a JSONL of conversations, a consumer process."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hscapture import open_store
+from hscapture.data import load_samples, pad_batch, plan_batches
+from hscapture.extract import ExtractOptions, extract
+from hscapture.integrations.hf import eagle3_default_layers
+from hscapture.tiny import write_demo_jsonl
+
+BATCH_TOKENS = 1024
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_jsonl(tmp_path_factory.mktemp("data") / "demo.jsonl", n=200)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model: Path) -> tuple:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def extracted(tiny_model: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("store")
+    summary = extract(
+        ExtractOptions(out=out, model=tiny_model, data=demo_data, max_batch_tokens=BATCH_TOKENS, progress=False)
+    )
+    assert summary.samples == 200 and summary.store["complete"] == 200
+    return out
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_store_equals_hf_output_hidden_states_bitwise(extracted: Path, demo_data: Path, model_and_tokenizer: tuple):
+    """Same batches, same dtype: the stored rows are HF's own output_hidden_states, bit for bit."""
+    model, tokenizer = model_and_tokenizer
+    store = open_store(extracted)
+    layers = eagle3_default_layers(model.config.num_hidden_layers)
+    assert store.tensor_names == [f"layer_{k}" for k in layers] + ["last"]
+    samples = list(load_samples(demo_data, tokenizer))
+    assert sorted(store.keys(complete_only=True)) == sorted(s.key for s in samples)
+    checked = 0
+    for batch in plan_batches(samples, BATCH_TOKENS, 64):
+        input_ids, attention_mask = pad_batch(batch, tokenizer.pad_token_id)
+        with torch.inference_mode():
+            hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+        for i, sample in enumerate(batch):
+            n = len(sample.input_ids)
+            got = store.get(sample.key)
+            assert got["layer_2"].dtype == torch.bfloat16
+            for k in layers:
+                assert torch.equal(got[f"layer_{k}"], hidden[k][i, :n]), (sample.key, k)
+            assert torch.equal(got["last"], hidden[-1][i, :n]), sample.key
+            assert got["input_ids"].tolist() == sample.input_ids
+            assert got["loss_mask"].tolist() == sample.loss_mask
+            assert got["positions"].tolist() == list(range(n))
+            checked += 1
+    assert checked == 200
+    total = sum(len(s.input_ids) for s in samples)
+    assert store.summary()["rows"] == total, "padding rows were stored"
+
+
+def test_store_matches_one_sample_forward_within_bf16_tolerance(
+    extracted: Path, demo_data: Path, model_and_tokenizer: tuple
+):
+    model, tokenizer = model_and_tokenizer
+    store = open_store(extracted)
+    worst = 0.0
+    for sample in list(load_samples(demo_data, tokenizer))[::5]:
+        with torch.inference_mode():
+            hidden = model(input_ids=torch.tensor([sample.input_ids]), output_hidden_states=True).hidden_states
+        got = store.get(sample.key)
+        for k in eagle3_default_layers(model.config.num_hidden_layers):
+            worst = max(worst, relative_l2(got[f"layer_{k}"], hidden[k][0]))
+        worst = max(worst, relative_l2(got["last"], hidden[-1][0]))
+    print(f"worst relative L2 batched vs single: {worst:.5f}")
+    assert worst < 2e-2, f"relative L2 {worst:.4f} between batched and single-sample forward"
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(extracted: Path, model_and_tokenizer: tuple):
+    _, tokenizer = model_and_tokenizer
+    store = open_store(extracted)
+    sample = store.get(store.keys()[0])
+    masked = tokenizer.decode(sample["input_ids"][sample["loss_mask"].bool()])
+    unmasked = tokenizer.decode(sample["input_ids"][~sample["loss_mask"].bool()])
+    assert "<|assistant|>" not in masked and "<|user|>" in unmasked
+    assert 0 < int(sample["loss_mask"].sum()) < len(sample["loss_mask"])
+
+
+def test_store_meta_says_what_was_captured(extracted: Path, tiny_model: Path):
+    meta = open_store(extracted).metadata()
+    descriptions = {t["name"]: t["description"] for t in meta["tensors"]}
+    assert "residual stream entering decoder layer 2" in descriptions["layer_2"]
+    assert "after the model's last norm" in descriptions["last"]
+    assert meta["dtype"] == "bfloat16" and meta["hidden_size"] == 256
+    run = meta["runs"][0]
+    assert run["meta"]["engine"] == "hf" and run["meta"]["model"] == str(tiny_model)
+    assert run["end"]["counters"]["rows_dropped"] == 0
+
+
+def run_cli(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hscapture", *args], **kwargs)
+
+
+def test_interrupted_extraction_resumes_with_each_sample_once(tiny_model: Path, demo_data: Path, tmp_path: Path):
+    out = tmp_path / "store"
+    args = ["extract", "--model", str(tiny_model), "--data", str(demo_data), "--out", str(out)]
+    args += ["--max-batch-tokens", "128", "--shard-size", "32K", "--no-progress"]
+    first = run_cli(*args)
+    index = out / "index.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first.poll() is None:
+        if index.exists() and index.read_text().count('"type":"request"') >= 20:
+            break
+        time.sleep(0.02)
+    assert first.poll() is None, "extraction finished before it could be interrupted"
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    partial = open_store(out) if (out / "meta.json").exists() else None
+    assert partial is not None and 20 <= len(partial.keys(complete_only=True)) < 200
+    second = run_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, stderr = second.communicate(timeout=300)
+    assert second.returncode == 0, stderr
+    assert "resuming" in stderr and "already captured" in stderr
+    store = open_store(out)
+    assert len(store.keys(complete_only=True)) == 200
+    complete = [
+        r["id"]
+        for r in map(json.loads, index.read_text().splitlines())
+        if r["type"] == "request" and r["status"] == "complete"
+    ]
+    assert len(complete) == len(set(complete)) == 200, "a sample was captured twice"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    for sample in load_samples(demo_data, tokenizer):
+        got = store.get(sample.key)
+        assert got["input_ids"].tolist() == sample.input_ids and got["loss_mask"].tolist() == sample.loss_mask
+
+
+def test_cli_bad_configuration_fails_fast_with_clear_messages(tiny_model: Path, demo_data: Path, tmp_path: Path):
+    base = ["extract", "--model", str(tiny_model), "--data", str(demo_data), "--no-progress"]
+    cases = [
+        ([*base, "--out", str(tmp_path / "a"), "--layers", "2,99"], "[99] out of range", "0..7"),
+        ([*base, "--out", str(demo_data / "sub")], "--out", "not writable"),
+        ([*base, "--out", str(tmp_path / "b"), "--dtype", "int8"], "--dtype", "not supported"),
+        (["consume", "--out", str(demo_data / "sub")], "out_dir", "not writable"),
+        (["consume", "--out", str(tmp_path / "c"), "--endpoint", "http://x"], "endpoint", "ipc://"),
+    ]
+    for argv, *expected in cases:
+        started = time.monotonic()
+        process = run_cli(*argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 2, (argv, stderr)
+        for text in expected:
+            assert text in stderr, (argv, stderr)
+        assert time.monotonic() - started < 30
