@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from hscapture.config import MiB, default_endpoint
+from hscapture.errors import HSCaptureError
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -90,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"hscapture {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except HSCaptureError as exc:
+        print(f"hscapture {args.command}: failed: {exc}", file=sys.stderr)
+        return 1
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from hscapture.errors import HSCaptureError
     from hscapture.extract import ExtractOptions, extract
 
     options = ExtractOptions(
@@ -113,9 +116,6 @@ def _extract(args: argparse.Namespace) -> int:
     )
     try:
         summary = extract(options)
-    except HSCaptureError as exc:
-        print(f"hscapture extract: failed: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(f"\ninterrupted; run the same command again to resume into {args.out}", file=sys.stderr)
         return 130

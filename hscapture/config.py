@@ -66,7 +66,8 @@ class CaptureConfig:
     #: Bytes of one ring slot; one slot carries one chunk of rows of all captured layers.
     slot_bytes: int = 4 * MiB
     #: Total ring bytes (a whole number of slots); more slots absorb consumer hiccups.
-    ring_bytes: int = 64 * MiB
+    #: None sizes it for two steps of ``max_step_rows`` (at least 4 slots).
+    ring_bytes: int | None = None
     #: Most rows one forward step may bring (the engine's max tokens per batch).
     max_step_rows: int = 8192
     #: ``block`` waits for ring credit and loses nothing; ``drop`` never waits and counts drops.
@@ -113,13 +114,15 @@ class CaptureConfig:
                 f"slot_bytes: {self.slot_bytes} is not a multiple of {SLOT_ALIGN}; "
                 f"use {-(-self.slot_bytes // SLOT_ALIGN) * SLOT_ALIGN}"
             )
+        _check_int("max_step_rows", self.max_step_rows, 1)
+        if self.ring_bytes is None:
+            self.ring_bytes = max(4, 2 * -(-self.max_step_rows // self.rows_per_slot)) * self.slot_bytes
         _check_int("ring_bytes", self.ring_bytes, 2 * self.slot_bytes)
         if self.ring_bytes % self.slot_bytes:
             raise ValueError(
                 f"ring_bytes: {self.ring_bytes} is not a whole number of slots of slot_bytes={self.slot_bytes}; "
                 f"use {self.num_slots * self.slot_bytes} or {(self.num_slots + 1) * self.slot_bytes}"
             )
-        _check_int("max_step_rows", self.max_step_rows, 1)
         ring_rows = self.num_slots * self.rows_per_slot
         if ring_rows < self.max_step_rows:
             need = -(-self.max_step_rows // self.rows_per_slot) * self.slot_bytes
@@ -161,6 +164,7 @@ class CaptureConfig:
 
     @property
     def num_slots(self) -> int:
+        assert self.ring_bytes is not None  # set in __post_init__
         return self.ring_bytes // self.slot_bytes
 
     def to_dict(self) -> dict:

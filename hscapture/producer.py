@@ -107,6 +107,8 @@ class Producer:
         self._descriptions = list(tensor_descriptions)
         self._meta = {"config": config.to_dict(), **(meta or {})}
         self.ring = ring or create_ring("host", config.num_slots, config.slot_bytes, self.run_id)
+        # Typed flat views of every slot, made once: slicing the ring per step costs more than the copy.
+        self._slots = [self.ring.slot(i).view(config.torch_dtype) for i in range(config.num_slots)]
         self._free: deque[int] = deque(range(config.num_slots))
         self._in_flight: dict[int, _InFlight] = {}
         self._seq = itertools.count(1)
@@ -260,6 +262,7 @@ class Producer:
             log.warning("consumer gone at close; end of stream not delivered")
         finally:
             self._closed = True
+            self._slots = []
             self._close_sockets()
             self.ring.close()
         return self.counters
@@ -321,8 +324,8 @@ class Producer:
         count: int,
     ) -> None:
         config = self.config
-        dst = self.ring.slot(slot)[: count * config.row_bytes]
-        dst = dst.view(config.torch_dtype).view(config.num_tensors, count, config.hidden_size)
+        dst = self._slots[slot][: count * config.num_tensors * config.hidden_size]
+        dst = dst.view(config.num_tensors, count, config.hidden_size)
         if row_index is None:
             for i, state in enumerate(states):
                 dst[i].copy_(state[begin : begin + count])
@@ -388,7 +391,8 @@ class Producer:
             self._drain_control()
 
     def _drain_control(self) -> None:
-        while True:
+        # Asking for EVENTS is far cheaper than a recv that raises zmq.Again on every step.
+        while self._release.get(zmq.EVENTS) & zmq.POLLIN:
             try:
                 data = self._release.recv(zmq.NOBLOCK)
             except zmq.Again:

@@ -131,6 +131,9 @@ class _VersionOnly(msgspec.Struct, forbid_unknown_fields=False):
 
 _version_only = msgspec.msgpack.Decoder(_VersionOnly)
 
+#: What msgspec raises on hostile bytes: bad msgpack, invalid UTF-8 in a string, absurd nesting.
+_DECODE_FAULTS = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
 
 def encode(message: Message) -> bytes:
     return _encoder.encode(message)
@@ -149,7 +152,7 @@ def decode_to_consumer(data: bytes) -> Layout | Chunk | RequestFinished | EndOfS
 def _decode(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
     try:
         message = decoder.decode(data)
-    except msgspec.DecodeError as exc:
+    except _DECODE_FAULTS as exc:
         raise ProtocolError(f"malformed message ({len(data)} bytes): {exc}{_version_hint(data)}") from None
     if message.v != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -162,7 +165,7 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes) -> Any:
 def _version_hint(data: bytes) -> str:
     try:
         head = _version_only.decode(data)
-    except msgspec.DecodeError:
+    except _DECODE_FAULTS:
         return ""
     if head.v != PROTOCOL_VERSION:
         return f" (peer speaks protocol version {head.v}, this side {PROTOCOL_VERSION}: run the same hscapture version)"

@@ -167,6 +167,14 @@ class StoreWriter:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_store(self.root, lock_timeout_s)
+        try:
+            self._open_existing(shard_bytes, writer_threads, flush_s)
+        except BaseException:
+            self._lock.close()
+            raise
+
+    def _open_existing(self, shard_bytes: int, writer_threads: int, flush_s: float) -> None:
+        """Everything after taking the lock: repair and read the index, start the writers."""
         self.shard_bytes = shard_bytes
         self.flush_s = flush_s
         self._repair_index()
@@ -195,6 +203,8 @@ class StoreWriter:
             self.end_run("producer restarted", {})
         if layout.dtype not in DTYPES:
             raise StoreError(f"Layout.dtype: {layout.dtype!r} is not a storable dtype ({sorted(DTYPES)})")
+        if len(layout.tensor_names) != len(layout.tensor_descriptions) or not layout.tensor_names:
+            raise StoreError(f"Layout.tensor_names: {layout.tensor_names} do not match their descriptions")
         tensors = [{"name": n, "description": d} for n, d in zip(layout.tensor_names, layout.tensor_descriptions)]
         spec = {"dtype": layout.dtype, "hidden_size": layout.hidden_size, "tensors": tensors}
         if self._meta is None:

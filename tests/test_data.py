@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -165,11 +167,11 @@ def test_refuses_to_build_into_a_foreign_folder(tmp_path: Path) -> None:
     assert (target / "notes.txt").read_text() == "keep me"
 
 
-def test_default_dir_honours_hscapture_home() -> None:
-    assert tiny.DEFAULT_DIR.name == "tiny-llama"
-    home = os.environ.get("HSCAPTURE_HOME")
-    if home is not None:
-        assert Path(home).expanduser() / "tiny-llama" == tiny.DEFAULT_DIR
+def test_default_dir_honours_hscapture_home(tmp_path: Path) -> None:
+    code = "from hscapture import tiny; print(tiny.DEFAULT_DIR)"
+    env = {**os.environ, "HSCAPTURE_HOME": str(tmp_path)}
+    printed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert Path(printed.stdout.strip()) == tmp_path / "tiny-llama"
 
 
 def test_demo_conversations(tokenizer: Any, tmp_path: Path) -> None:

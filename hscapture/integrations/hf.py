@@ -12,6 +12,7 @@ forward never writes those tensors in place, so the references stay valid until 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,3 +129,71 @@ class HFCapture:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def greedy_generate(
+    model: nn.Module,
+    capture: HFCapture | None,
+    producer: Any,
+    prompts: Sequence[Sequence[int]],
+    request_ids: Sequence[str],
+    max_new_tokens: int,
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """A minimal batched serving loop (left-padded prefill, then KV-cached decode) with capture.
+
+    Each forward's real rows go to ``producer.capture_step`` right after it: prompt rows at
+    prefill, one row per request at each decode step, attributed to the request, position and
+    the token fed at that position. Requests are finished with ``finish_request`` at the end.
+    With ``capture=None`` (and a :class:`~hscapture.producer.NullProducer`) it is the same loop
+    without capture, which is what the overhead benchmark compares against.
+
+    Returns:
+        The generated token ids of each request.
+    """
+    device = next(model.parameters()).device
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.int64)
+        mask[row, width - len(prompt) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    kept = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
+    generated: list[list[int]] = [[] for _ in prompts]
+    # transformers renamed `past_key_values` to `cache` (5.2x); speak whichever this version does.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = None
+    step_ids, step_mask, step_positions = input_ids, mask, positions
+    with torch.inference_mode():
+        for step in range(max_new_tokens):
+            out = model(
+                input_ids=step_ids.to(device),
+                attention_mask=step_mask.to(device),
+                position_ids=step_positions.to(device),
+                use_cache=True,
+                **({cache_arg: cache} if cache is not None else {}),
+            )
+            cache = getattr(out, cache_arg)
+            if capture is not None:
+                rows = lengths if step == 0 else [1] * len(prompts)
+                producer.capture_step(
+                    capture.collect(),
+                    request_ids,
+                    rows,
+                    positions=positions.reshape(-1)[kept] if step == 0 else step_positions.reshape(-1),
+                    token_ids=input_ids.reshape(-1)[kept] if step == 0 else step_ids.reshape(-1),
+                    row_index=kept.to(device) if step == 0 else None,
+                )
+            next_ids = out.logits[:, -1].argmax(-1).cpu()
+            for row, token in enumerate(next_ids.tolist()):
+                generated[row].append(token)
+            step_positions = (step_positions[:, -1:] + 1) if step else (positions[:, -1:] + 1)
+            step_ids = next_ids[:, None]
+            mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.int64)], dim=1)
+            step_mask = mask
+    for row, request_id in enumerate(request_ids):
+        # The last generated token was never fed back, so it has no hidden state.
+        producer.finish_request(request_id, num_tokens=lengths[row] + max_new_tokens - 1)
+    return generated
