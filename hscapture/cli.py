@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The consumer process: attaches to a producer (also one started later or restarted), copies "
         "ring slots out, releases them, and writes shards. Stops cleanly on Ctrl-C.",
     )
-    con.add_argument("--out", type=Path, required=True, help="store directory (appended to if it exists)")
+    con.add_argument("--out", type=Path, help="store directory (appended to if it exists)")
     con.add_argument("--endpoint", default=default_endpoint(), help="producer endpoint (default: %(default)s)")
     con.add_argument("--shard-bytes", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
     con.add_argument("--writer-threads", type=int, default=2, help="threads writing shards (default 2)")
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--exit-on-eos", action="store_true", help="exit at the producer's end of stream")
     con.add_argument("--delay-ms", type=float, default=0.0, help="sleep per chunk (simulate a slow consumer)")
     con.add_argument("--watch-pid", type=int, help="finish and exit when this process is gone")
+    con.add_argument("--discard", action="store_true", help="copy out and release but write nothing (benchmarks)")
     con.add_argument("--quiet", action="store_true", help="print nothing but warnings")
     return parser
 
@@ -120,6 +121,9 @@ def _extract(args: argparse.Namespace) -> int:
         print(f"\ninterrupted; run the same command again to resume into {args.out}", file=sys.stderr)
         return 130
     store = summary.store
+    if not store:
+        print(f"nothing to capture: {args.data or 'the demo data'} has no samples", file=sys.stderr)
+        return 1
     print(
         f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
         f"({summary.tokens_per_s:.0f} tok/s); {summary.skipped} were already there\n"
@@ -146,6 +150,7 @@ def _consume(args: argparse.Namespace) -> int:
         exit_on_eos=args.exit_on_eos,
         delay_ms=args.delay_ms,
         watch_pid=args.watch_pid,
+        discard=args.discard,
     )
     consumer = Consumer(config)
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -74,6 +74,9 @@ class CaptureConfig:
     policy: Policy = "block"
     #: Base ZeroMQ endpoint; ``-announce`` and ``-release`` sockets hang off it.
     endpoint: str = field(default_factory=default_endpoint)
+    #: Where the engine's activations live: ``cpu`` (host shared-memory ring) or ``cuda[:N]``
+    #: (GPU ring exported over CUDA IPC).
+    device: str = "cpu"
     #: In ``block`` mode, seconds to wait for credit before raising (0 = forever).
     block_timeout_s: float = 120.0
 
@@ -133,6 +136,12 @@ class CaptureConfig:
             )
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"endpoint: {self.endpoint!r} must start with ipc:// or tcp://")
+        try:
+            kind = torch.device(self.device).type
+        except (RuntimeError, TypeError):
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device: {self.device!r} is not supported; use 'cpu' or 'cuda' / 'cuda:N'")
         if self.block_timeout_s < 0:
             raise ValueError(f"block_timeout_s: must be >= 0 (0 waits forever), got {self.block_timeout_s}")
 
@@ -177,8 +186,8 @@ class CaptureConfig:
 class ConsumerConfig:
     """The consumer process's settings; what to read comes from the producer's handshake."""
 
-    #: Where the store is written (created; an existing store is appended to).
-    out_dir: Path
+    #: Where the store is written (created; an existing store is appended to); None with ``discard``.
+    out_dir: Path | None
     #: Base ZeroMQ endpoint of the producer to attach to.
     endpoint: str = field(default_factory=default_endpoint)
     #: Target bytes of one shard file.
@@ -195,9 +204,13 @@ class ConsumerConfig:
     delay_ms: float = 0.0
     #: Finish the store and exit when this process is gone (the extraction that started us).
     watch_pid: int | None = None
+    #: Copy chunks out and release them but write nothing (drain-rate benchmarks).
+    discard: bool = False
 
     def __post_init__(self) -> None:
-        self.out_dir = Path(self.out_dir)
+        if self.out_dir is None and not self.discard:
+            raise ValueError("out_dir: the consumer needs an output directory (or discard=True)")
+        self.out_dir = None if self.out_dir is None else Path(self.out_dir)
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"endpoint: {self.endpoint!r} must start with ipc:// or tcp://")
         _check_int("shard_bytes", self.shard_bytes, 1)
@@ -210,6 +223,7 @@ class ConsumerConfig:
 
     def check_out_dir(self) -> Path:
         """Create ``out_dir`` if needed and prove it writable, or raise naming the path."""
+        assert self.out_dir is not None
         return ensure_writable_dir(self.out_dir, "out_dir")
 
 

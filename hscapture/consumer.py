@@ -15,7 +15,9 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import zmq
 
@@ -23,6 +25,7 @@ from hscapture import protocol
 from hscapture.config import DTYPES, ConsumerConfig
 from hscapture.errors import ProtocolError
 from hscapture.ring import RingReader, open_ring
+from hscapture.sink import NullSink
 from hscapture.store import StoreWriter
 from hscapture.transport import announce_endpoint, make_socket, release_endpoint
 
@@ -57,10 +60,13 @@ class Consumer:
 
     def __init__(self, config: ConsumerConfig) -> None:
         self.config = config
-        config.check_out_dir()
         self.consumer_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.stats = ConsumerStats()
-        self.store = StoreWriter(config.out_dir, config.shard_bytes, config.writer_threads, config.flush_s)
+        self.store: StoreWriter | NullSink
+        if config.discard:
+            self.store = NullSink()
+        else:
+            self.store = StoreWriter(config.check_out_dir(), config.shard_bytes, config.writer_threads, config.flush_s)
         self._context = zmq.Context.instance()
         self._announce = make_socket(self._context, zmq.PULL)
         self._announce.connect(announce_endpoint(config.endpoint))
@@ -70,6 +76,8 @@ class Consumer:
         self._ring: RingReader | None = None
         self._row_bytes = 0
         self._last_seq = 0
+        #: Slots whose copies are in flight: (slot, seq, token from RingReader.mark).
+        self._copying: deque[tuple[int, int, Any]] = deque()
         self._stopping = False
         self._last_hello = 0.0
         self._closed = False
@@ -90,7 +98,7 @@ class Consumer:
             while not self._stopping:
                 if time.monotonic() - self._last_hello >= heartbeat_s:
                     self._hello()
-                if self._announce.poll(self.config.heartbeat_ms):
+                if self._announce.poll(1 if self._copying else self.config.heartbeat_ms):
                     for _ in range(_BATCH):
                         try:
                             data = self._announce.recv(zmq.NOBLOCK)
@@ -98,6 +106,7 @@ class Consumer:
                             break
                         if self._handle(data) and self.config.exit_on_eos:
                             return self.stats
+                self._release_copied()
                 self.store.tick()
                 if self.config.watch_pid is not None and not _alive(self.config.watch_pid):
                     log.warning("process %d is gone; finishing the store", self.config.watch_pid)
@@ -157,6 +166,8 @@ class Consumer:
         ring = open_ring(layout.ring)
         self._close_ring()
         self._ring = ring
+        self.store.allocate = ring.allocate
+        self.store.barrier = ring.complete
         self.store.begin_run(layout)
         self._layout = layout
         self._row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
@@ -173,20 +184,32 @@ class Consumer:
         self._last_seq = chunk.seq
         if self.config.delay_ms:
             time.sleep(self.config.delay_ms / 1000)
-        self.store.add_chunk(chunk, ring.fetch(chunk.slot, chunk.offset, chunk.nbytes))
-        release = protocol.Release(
-            v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=chunk.slot, seq=chunk.seq
-        )
-        try:
-            self._release.send(protocol.encode(release), zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("producer gone; slot %d not released", chunk.slot)
+        ring.begin(chunk.slot)
+        self.store.add_chunk(chunk, ring)
+        self._copying.append((chunk.slot, chunk.seq, ring.mark()))
         self.stats.chunks += 1
         self.stats.rows += chunk.rows
+        self._release_copied()
+
+    def _release_copied(self, wait: bool = False) -> None:
+        """Give back every slot whose copies have landed (all of them with ``wait``)."""
+        ring = self._ring
+        if ring is None:
+            return
+        if wait:
+            ring.complete()
+        while self._copying and ring.done(self._copying[0][2]):
+            slot, seq, _ = self._copying.popleft()
+            release = protocol.Release(v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=slot, seq=seq)
+            try:
+                self._release.send(protocol.encode(release), zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("producer gone; slot %d not released", slot)
 
     def _on_end(self, message: protocol.EndOfStream) -> bool:
         if message.run_id != self.run_id:
             return False
+        self._release_copied(wait=True)  # the producer frees its ring once every slot is back
         self.store.end_run("end of stream before the request finished", message.counters)
         self._close_ring()
         self._layout = None
@@ -195,6 +218,8 @@ class Consumer:
         return True
 
     def _close_ring(self) -> None:
+        self._release_copied(wait=True)
+        self._copying.clear()
         if self._ring is not None:
             self._ring.close()
             self._ring = None

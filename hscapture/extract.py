@@ -201,6 +201,8 @@ def extract(options: ExtractOptions) -> ExtractSummary:
         samples = samples[: options.limit]
     if skip:
         print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
+    if not samples:  # nothing left to capture: no producer, no consumer
+        return ExtractSummary(0, 0, 0.0, len(skip), open_store(out).summary() if skip else {})
     batches = plan_batches(samples, options.max_batch_tokens, options.max_batch_size)
     longest = max((len(s.input_ids) for s in samples), default=1)
     config = _capture_config(model, layers, options, max(options.max_batch_tokens, longest))

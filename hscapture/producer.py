@@ -106,7 +106,7 @@ class Producer:
         self.counters = ProducerCounters()
         self._descriptions = list(tensor_descriptions)
         self._meta = {"config": config.to_dict(), **(meta or {})}
-        self.ring = ring or create_ring("host", config.num_slots, config.slot_bytes, self.run_id)
+        self.ring = ring or create_ring(torch.device(config.device), config.num_slots, config.slot_bytes, self.run_id)
         # Typed flat views of every slot, made once: slicing the ring per step costs more than the copy.
         self._slots = [self.ring.slot(i).view(config.torch_dtype) for i in range(config.num_slots)]
         self._free: deque[int] = deque(range(config.num_slots))
@@ -177,31 +177,84 @@ class Producer:
                 break
             self._write(slot, states, row_index, begin, count)
             ids, counts = _spans(request_ids, starts, begin, begin + count)
-            seq = next(self._seq)
-            chunk = protocol.Chunk(
-                v=protocol.PROTOCOL_VERSION,
-                seq=seq,
-                step=self.counters.steps,
-                slot=slot,
-                offset=slot * config.slot_bytes,
-                nbytes=count * config.row_bytes,
-                rows=count,
-                request_ids=ids,
-                request_rows=counts,
-                positions=protocol.pack_rows(positions[begin : begin + count]),
-                token_ids=protocol.pack_rows(token_ids[begin : begin + count]),
-                dropped_rows=self.counters.rows_dropped,
-            )
-            payload = protocol.encode(chunk)
-            if not self._send(payload):
-                self._free.appendleft(slot)
+            if not self._announce_slot(
+                slot, count, 0, ids, counts, positions[begin : begin + count], token_ids[begin : begin + count]
+            ):
                 self._count_drop(request_ids, starts, begin, rows)
                 break
-            self._in_flight[slot] = _InFlight(seq, count, payload)
-            self.counters.rows_captured += count
-            self.counters.chunks_announced += 1
             begin += count
         return begin
+
+    def announce_written(
+        self,
+        slot: int,
+        rows: int,
+        row_stride: int,
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        positions: np.ndarray,
+        token_ids: np.ndarray,
+    ) -> bool:
+        """Announce a slot already written (by :meth:`capture_step` or a graph replay).
+
+        The slot's event is recorded here, on the current stream, after the writes queued
+        there. Returns False when ``drop`` could not send (the slot is free again).
+        """
+        self.ring.mark_written(slot)
+        return self._announce_slot(slot, rows, row_stride, request_ids, request_rows, positions, token_ids)
+
+    def _announce_slot(
+        self,
+        slot: int,
+        rows: int,
+        row_stride: int,
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        positions: np.ndarray,
+        token_ids: np.ndarray,
+    ) -> bool:
+        config = self.config
+        seq = next(self._seq)
+        chunk = protocol.Chunk(
+            v=protocol.PROTOCOL_VERSION,
+            seq=seq,
+            step=self.counters.steps,
+            slot=slot,
+            offset=slot * config.slot_bytes,
+            nbytes=(row_stride or rows) * config.row_bytes,
+            rows=rows,
+            request_ids=list(request_ids),
+            request_rows=list(request_rows),
+            positions=protocol.pack_rows(positions),
+            token_ids=protocol.pack_rows(token_ids),
+            dropped_rows=self.counters.rows_dropped,
+            row_stride=row_stride,
+        )
+        payload = protocol.encode(chunk)
+        if not self._send(payload):
+            self._free.appendleft(slot)
+            return False
+        self._in_flight[slot] = _InFlight(seq, rows, payload)
+        self.counters.rows_captured += rows
+        self.counters.chunks_announced += 1
+        return True
+
+    def acquire_slot(self) -> int | None:
+        """A free slot to write (waits under ``block``; None under ``drop`` when none is free)."""
+        self._check_open()
+        self._drain_control()
+        return self._acquire_slot()
+
+    def reserve_slot(self) -> int:
+        """Take a slot out of circulation for good: a graph writes there when ``drop`` has no credit."""
+        if not self._free:
+            raise ValueError("reserve_slot: no free slot; reserve before serving starts")
+        return self._free.pop()
+
+    def count_dropped(self, request_ids: Sequence[str], request_rows: Sequence[int]) -> None:
+        """Count rows that were computed but not captured (no credit under ``drop``)."""
+        starts = list(itertools.accumulate(request_rows, initial=0))
+        self._count_drop(request_ids, starts, 0, starts[-1])
 
     def finish_request(
         self,

@@ -72,7 +72,7 @@ class Layout(Message, tag="layout"):
 class Chunk(Message, tag="chunk"):
     """Producer -> consumer: ``rows`` rows of every captured tensor sit in ``slot``.
 
-    The slot holds ``[num_tensors, rows, hidden]`` packed from ``offset``. Rows of one
+    The slot holds ``[num_tensors, row_stride or rows, hidden]`` from ``offset``. Rows of one
     request are contiguous: request ``request_ids[i]`` owns the next ``request_rows[i]`` rows.
     ``positions`` and ``token_ids`` are int64 arrays of length ``rows``. ``dropped_rows`` and
     ``lost_rows`` are the producer's running totals when it sent this chunk.
@@ -90,6 +90,9 @@ class Chunk(Message, tag="chunk"):
     token_ids: bytes
     dropped_rows: int = 0
     lost_rows: int = 0
+    #: Rows between the starts of two tensors' planes in the slot (0: packed, = ``rows``).
+    #: A CUDA-graph write fills a fixed batch of which only the first ``rows`` are real.
+    row_stride: int = 0
 
 
 class RequestFinished(Message, tag="finished"):
@@ -193,9 +196,12 @@ def check_chunk(chunk: Chunk, layout: Layout, row_bytes: int) -> None:
             f"Chunk.offset: {chunk.offset} is not the start of slot {chunk.slot} "
             f"({chunk.slot * layout.slot_bytes}) (seq {chunk.seq})"
         )
-    if chunk.rows <= 0 or chunk.nbytes != chunk.rows * row_bytes or chunk.nbytes > layout.slot_bytes:
+    stride = chunk.row_stride or chunk.rows
+    if chunk.rows <= 0 or stride < chunk.rows:
+        raise ProtocolError(f"Chunk.rows: {chunk.rows} with row_stride {chunk.row_stride} (seq {chunk.seq})")
+    if chunk.nbytes != stride * row_bytes or chunk.nbytes > layout.slot_bytes:
         raise ProtocolError(
-            f"Chunk.nbytes: {chunk.nbytes} for {chunk.rows} rows of {row_bytes} bytes does not fit "
+            f"Chunk.nbytes: {chunk.nbytes} for {stride} rows of {row_bytes} bytes does not fit "
             f"slot_bytes={layout.slot_bytes} (seq {chunk.seq})"
         )
     if len(chunk.request_ids) != len(chunk.request_rows) or sum(chunk.request_rows) != chunk.rows:

@@ -7,9 +7,8 @@ or the consumer:
 * :class:`Ring` lives in the engine process. It hands out per-slot byte views to write
   rows into, marks a slot written (``mark_written``: the CUDA ring records the slot's IPC
   event there), and describes itself once for the handshake (``describe``).
-* :class:`RingReader` lives in the consumer process. It opens a description once, and
-  ``fetch`` returns a host view of a slot's bytes that stays valid until the slot is
-  released.
+* :class:`RingReader` lives in the consumer process. It opens a description once and
+  copies pieces of announced slots into host memory (asynchronously on the CUDA ring).
 
 Announcements carry only ``(slot, offset, nbytes)``, never handles or paths.
 """
@@ -56,11 +55,34 @@ class Ring(ABC):
 
 
 class RingReader(ABC):
-    """Consumer side: opened once per run from :meth:`Ring.describe`."""
+    """Consumer side: opened once per run from :meth:`Ring.describe`.
+
+    Per chunk the consumer calls ``begin(slot)``, then ``copy_into`` for each piece it
+    wants (copies may run asynchronously), then ``mark()``; the slot may be released once
+    ``done(token)`` says the copies finished. ``complete()`` waits for every copy issued.
+    """
+
+    def begin(self, slot: int) -> None:  # noqa: B027 - only the CUDA ring has producer writes to wait for
+        """Order the copies that follow after the producer's writes to ``slot``."""
 
     @abstractmethod
-    def fetch(self, slot: int, offset: int, nbytes: int) -> np.ndarray:
-        """uint8 host array of ``nbytes`` at ``offset``, valid until the slot is released."""
+    def copy_into(self, offset: int, dst: np.ndarray) -> None:
+        """Copy ``dst.nbytes`` bytes at ring ``offset`` into the contiguous uint8 array ``dst``."""
+
+    def mark(self) -> Any:
+        """A token for the copies issued so far (see :meth:`done`)."""
+        return None
+
+    def done(self, token: Any) -> bool:
+        """Whether the copies before ``token`` have finished (their slots may be released)."""
+        return True
+
+    def complete(self) -> None:  # noqa: B027 - host copies are synchronous
+        """Block until every copy issued so far has landed in host memory."""
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """Host memory the ring copies into fastest (pinned for the CUDA ring)."""
+        return np.empty(nbytes, dtype=np.uint8)
 
     @abstractmethod
     def close(self) -> None:
@@ -133,10 +155,10 @@ class HostRingReader(RingReader):
         self._view = np.frombuffer(self._map, dtype=np.uint8)
         self.nbytes = nbytes
 
-    def fetch(self, slot: int, offset: int, nbytes: int) -> np.ndarray:
-        if offset < 0 or offset + nbytes > self.nbytes:
-            raise ProtocolError(f"Chunk: bytes {offset}..{offset + nbytes} fall outside the ring of {self.nbytes}")
-        return self._view[offset : offset + nbytes]
+    def copy_into(self, offset: int, dst: np.ndarray) -> None:
+        if offset < 0 or offset + dst.nbytes > self.nbytes:
+            raise ProtocolError(f"Chunk: bytes {offset}..{offset + dst.nbytes} fall outside the ring of {self.nbytes}")
+        dst[:] = self._view[offset : offset + dst.nbytes]
 
     def close(self) -> None:
         if self._map is None:
@@ -149,11 +171,15 @@ class HostRingReader(RingReader):
         self._map = None
 
 
-def create_ring(backend: str, num_slots: int, slot_bytes: int, name: str) -> Ring:
-    """Allocate a ring of the named backend (``host`` here; ``cuda`` once that backend exists)."""
-    if backend == "host":
+def create_ring(device: torch.device, num_slots: int, slot_bytes: int, name: str) -> Ring:
+    """The ring for an engine on ``device``: host shared memory for CPU, CUDA IPC memory for GPU."""
+    if device.type == "cpu":
         return HostRing(num_slots, slot_bytes, name)
-    raise ValueError(f"ring backend: {backend!r} is unknown; use 'host'")
+    if device.type == "cuda":
+        from hscapture.cuda_ring import CudaRing
+
+        return CudaRing(num_slots, slot_bytes, device)
+    raise ValueError(f"device: {device} has no ring backend; use 'cpu' or 'cuda[:N]'")
 
 
 def open_ring(description: dict[str, Any]) -> RingReader:
@@ -161,4 +187,8 @@ def open_ring(description: dict[str, Any]) -> RingReader:
     backend = description.get("backend")
     if backend == "host":
         return HostRingReader(description)
+    if backend == "cuda":
+        from hscapture.cuda_ring import CudaRingReader
+
+        return CudaRingReader(description)
     raise ProtocolError(f"Layout.ring.backend: {backend!r} is not supported by this consumer")

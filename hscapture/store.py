@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 from hscapture import protocol
 from hscapture.config import DTYPES
 from hscapture.errors import StoreError
+from hscapture.ring import RingReader
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +196,10 @@ class StoreWriter:
         self._requests: dict[str, _Request] = {}
         self.rows_written = 0
         self.requests_written = 0
+        #: Host memory for shard buffers; the CUDA consumer swaps in pinned memory.
+        self.allocate: Callable[[int], np.ndarray] = _pageable
+        #: Called before a shard buffer is handed to a writer: waits for copies still in flight.
+        self.barrier: Callable[[], None] = _nothing
 
     # ------------------------------------------------------------------ runs
 
@@ -247,13 +253,27 @@ class StoreWriter:
 
     # ------------------------------------------------------------------ data
 
-    def add_chunk(self, chunk: protocol.Chunk, data: np.ndarray) -> None:
-        """Copy a chunk's rows (``data``: uint8 ``[nbytes]`` laid out ``[tensors, rows, hidden]``)."""
+    def add_chunk(self, chunk: protocol.Chunk, source: RingReader | np.ndarray) -> None:
+        """Copy a chunk's rows into shard buffers.
+
+        Args:
+            chunk: the announcement; the slot holds ``[tensors, row_stride or rows, hidden]``.
+            source: the ring reader to copy from (at ``chunk.offset``; possibly asynchronous,
+                see :attr:`barrier`), or the chunk's bytes themselves as a uint8 array.
+        """
         run = self._require_run()
         rows = chunk.rows
         positions = protocol.unpack_rows(chunk.positions, rows, "positions")
         token_ids = protocol.unpack_rows(chunk.token_ids, rows, "token_ids")
-        planes = data.reshape(len(run.tensor_names), rows, run.row_bytes // len(run.tensor_names))
+        plane_row = run.row_bytes // len(run.tensor_names)
+        plane_bytes = (chunk.row_stride or rows) * plane_row
+        if isinstance(source, np.ndarray):
+            data = source
+
+            def copy(offset: int, dst: np.ndarray) -> None:
+                dst[:] = data[offset - chunk.offset : offset - chunk.offset + dst.nbytes]
+        else:
+            copy = source.copy_into
         owner = np.repeat(np.arange(len(chunk.request_ids)), chunk.request_rows)
         begin = 0
         while begin < rows:
@@ -261,8 +281,8 @@ class StoreWriter:
             count = min(rows - begin, run.rows_per_shard - shard.rows)
             at, end = shard.rows, shard.rows + count
             buffer = shard.buffer
-            for plane, target in zip(planes, buffer.tensors):
-                target[at:end] = plane[begin : begin + count]
+            for plane, target in enumerate(buffer.tensors):
+                copy(chunk.offset + plane * plane_bytes + begin * plane_row, target[at:end].reshape(-1))
             buffer.positions[at:end] = positions[begin : begin + count]
             buffer.token_ids[at:end] = token_ids[begin : begin + count]
             mine = owner[begin : begin + count]
@@ -270,7 +290,7 @@ class StoreWriter:
             for i in np.unique(mine).tolist():
                 local[i] = shard.request_lookup.setdefault(chunk.request_ids[i], len(shard.request_lookup))
             buffer.request_index[at:end] = local[mine]
-            self._track(chunk, owner, positions, shard.shard_id, at, begin, begin + count)
+            self._track(chunk, positions, shard.shard_id, at, begin, begin + count)
             shard.rows = end
             self.rows_written += count
             if shard.rows == run.rows_per_shard:
@@ -310,30 +330,32 @@ class StoreWriter:
         return self._run
 
     def _track(
-        self,
-        chunk: protocol.Chunk,
-        owner: np.ndarray,
-        positions: np.ndarray,
-        shard_id: int,
-        at: int,
-        begin: int,
-        end: int,
+        self, chunk: protocol.Chunk, positions: np.ndarray, shard_id: int, at: int, begin: int, end: int
     ) -> None:
-        """Record, per request, which shard rows it owns and which positions they are."""
+        """Record, per request, which shard rows it owns and which positions they are.
+
+        Plain integer arithmetic per request: a decode step brings one row for each of many
+        requests, and numpy calls per request would cost more than the rows themselves.
+        """
         run = self._require_run()
-        cuts = np.flatnonzero(np.diff(owner[begin:end])) + 1
-        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), end - begin]):
-            request_id = chunk.request_ids[int(owner[begin + lo])]
+        offset = 0
+        for request_id, count in zip(chunk.request_ids, chunk.request_rows):
+            lo, hi = max(offset, begin), min(offset + count, end)
+            offset += count
+            if hi <= lo:
+                if offset >= end:
+                    break
+                continue
             request = self._requests.get(request_id)
             if request is None:
                 request = self._requests[request_id] = _Request(run.run_id)
-            spans = request.spans
-            if spans and spans[-1][0] == shard_id and spans[-1][1] + spans[-1][2] == at + lo:
+            row, spans = at + lo - begin, request.spans
+            if spans and spans[-1][0] == shard_id and spans[-1][1] + spans[-1][2] == row:
                 spans[-1][2] += hi - lo
             else:
-                spans.append([shard_id, at + lo, hi - lo])
+                spans.append([shard_id, row, hi - lo])
             request.rows += hi - lo
-            _add_runs(request.runs, positions[begin + lo : begin + hi])
+            _add_runs(request.runs, positions[lo:hi])
 
     def _open_shard(self) -> _OpenShard:
         if self._shard is None:
@@ -348,7 +370,7 @@ class StoreWriter:
         except queue.Empty:
             if self._buffers_made < self._max_buffers:
                 self._buffers_made += 1
-                return _new_buffer(run)
+                return _new_buffer(run, self.allocate)
             buffer = self._buffers.get()  # all buffers are being written: disk backpressure
         return buffer  # every run of a store has the same geometry (checked in begin_run)
 
@@ -361,6 +383,7 @@ class StoreWriter:
             self._next_shard -= 1
             return
         run = self._require_run()
+        self.barrier()  # copies into this buffer may still be in flight (CUDA ring)
         self._pending[shard.shard_id] = self._pool.submit(_write_shard, self.root, shard, run, self._buffers)
         self._commit_ready()
 
@@ -420,11 +443,19 @@ class StoreWriter:
                 os.fsync(handle.fileno())
 
 
-def _new_buffer(run: _RunSpec) -> _ShardBuffer:
+def _pageable(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _new_buffer(run: _RunSpec, allocate: Callable[[int], np.ndarray]) -> _ShardBuffer:
     width = run.row_bytes // len(run.tensor_names)
     capacity = run.rows_per_shard
     return _ShardBuffer(
-        tensors=[np.empty((capacity, width), dtype=np.uint8) for _ in run.tensor_names],
+        tensors=[allocate(capacity * width).reshape(capacity, width) for _ in run.tensor_names],
         positions=np.empty(capacity, dtype=np.int64),
         token_ids=np.empty(capacity, dtype=np.int64),
         request_index=np.empty(capacity, dtype=np.int32),
@@ -461,6 +492,13 @@ def _write_shard_file(root: Path, shard: _OpenShard, run: _RunSpec) -> dict[str,
 
 def _add_runs(runs: list[list[int]], positions: np.ndarray) -> None:
     """Append ``positions`` to a list of ``[start, end)`` runs, merging consecutive ones."""
+    if positions.size == 1:  # the decode case, without numpy
+        start = int(positions[0])
+        if runs and runs[-1][1] == start:
+            runs[-1][1] = start + 1
+        else:
+            runs.append([start, start + 1])
+        return
     if positions.size == 0:
         return
     cuts = np.flatnonzero(np.diff(positions) != 1) + 1

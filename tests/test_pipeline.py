@@ -16,6 +16,14 @@ from hscapture import open_store
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.workload import Workload, make_config, make_producer
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
+def device(request: pytest.FixtureRequest) -> str:
+    """Every pipeline contract holds for the host ring and, on a GPU host, for the CUDA IPC ring."""
+    return request.param
+
 
 def check_store(out: Path, workloads: list[Workload], keys: list[str] | None = None) -> dict[str, dict]:
     """Every stored row equals the row produced at its position; returns records by request id."""
@@ -39,11 +47,11 @@ def check_store(out: Path, workloads: list[Workload], keys: list[str] | None = N
 
 
 def test_round_trip_is_bitwise_across_slots_and_shards(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
 ) -> None:
     consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", "--shard-bytes", "20000")
-    producer = make_producer(make_config(endpoint, policy="block"))
-    workload = Workload(seed=1)
+    producer = make_producer(make_config(endpoint, policy="block", device=device))
+    workload = Workload(seed=1, device=device)
     for _ in range(150):
         workload.step(producer)
     counters = producer.close()
@@ -60,11 +68,11 @@ def test_round_trip_is_bitwise_across_slots_and_shards(
 
 
 def test_block_policy_with_slow_consumer_loses_nothing(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
 ) -> None:
     consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", "--delay-ms", "5")
-    producer = make_producer(make_config(endpoint, policy="block", slots=2, rows_per_slot=16))
-    workload = Workload(seed=2)
+    producer = make_producer(make_config(endpoint, policy="block", slots=2, rows_per_slot=16, device=device))
+    workload = Workload(seed=2, device=device)
     for _ in range(80):
         workload.step(producer)
     counters = producer.close()
@@ -77,12 +85,12 @@ def test_block_policy_with_slow_consumer_loses_nothing(
 
 
 def test_drop_policy_never_waits_and_counts_drops_exactly(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
 ) -> None:
     consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", "--delay-ms", "20")
-    producer = make_producer(make_config(endpoint, policy="drop", slots=2, rows_per_slot=16))
+    producer = make_producer(make_config(endpoint, policy="drop", slots=2, rows_per_slot=16, device=device))
     wait_attached(producer)
-    workload = Workload(seed=3)
+    workload = Workload(seed=3, device=device)
     announced = sum(workload.step(producer) for _ in range(200))
     counters = producer.close()
     assert consumer.wait(30) == 0
@@ -106,10 +114,10 @@ def test_drop_policy_never_waits_and_counts_drops_exactly(
 
 
 def test_consumer_started_after_producer_attaches_and_captures_from_there(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
 ) -> None:
-    producer = make_producer(make_config(endpoint, policy="drop"))
-    workload = Workload(seed=4)
+    producer = make_producer(make_config(endpoint, policy="drop", device=device))
+    workload = Workload(seed=4, device=device)
     before = sum(workload.step(producer) for _ in range(30))
     assert before == 0 and producer.counters.rows_dropped == workload.total_rows
     early = set(workload.requests)
@@ -132,11 +140,11 @@ def test_consumer_started_after_producer_attaches_and_captures_from_there(
 
 
 def test_consumer_restarted_mid_run_reattaches_and_continues(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
 ) -> None:
     first = start_consumer(tmp_path, endpoint, "--shard-bytes", "8000", "--flush-s", "0.2")
-    producer = make_producer(make_config(endpoint, policy="block"))
-    workload = Workload(seed=5)
+    producer = make_producer(make_config(endpoint, policy="block", device=device))
+    workload = Workload(seed=5, device=device)
     for _ in range(40):
         workload.step(producer)
     first.send_signal(signal.SIGKILL)

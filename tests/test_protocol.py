@@ -473,7 +473,7 @@ def test_check_chunk_nbytes_not_rows_times_row_bytes(nbytes: int) -> None:
 
 @pytest.mark.parametrize("rows", [0, -3])
 def test_check_chunk_non_positive_rows(rows: int) -> None:
-    with pytest.raises(ProtocolError, match=r"^Chunk\.nbytes: "):
+    with pytest.raises(ProtocolError, match=r"^Chunk\.rows: "):
         check_chunk(chunk(rows=rows, nbytes=rows * ROW_BYTES, request_rows=[rows]), layout(), ROW_BYTES)
 
 

@@ -22,7 +22,9 @@ LAYERS = (1, 3)
 NUM_TENSORS = len(LAYERS) + 1
 
 
-def make_config(endpoint: str, policy: str = "block", slots: int = 4, rows_per_slot: int = 8) -> CaptureConfig:
+def make_config(
+    endpoint: str, policy: str = "block", slots: int = 4, rows_per_slot: int = 8, device: str = "cpu"
+) -> CaptureConfig:
     row_bytes = NUM_TENSORS * HIDDEN * 4
     return CaptureConfig(
         layers=LAYERS,
@@ -35,6 +37,7 @@ def make_config(endpoint: str, policy: str = "block", slots: int = 4, rows_per_s
         policy=policy,  # type: ignore[arg-type]
         endpoint=endpoint,
         block_timeout_s=60,
+        device=device,
     )
 
 
@@ -52,7 +55,8 @@ class _Request:
 class Workload:
     """Steps of up to ``max_rows`` kept rows; ``reference(rid)`` returns what the store must hold."""
 
-    def __init__(self, seed: int, prefix: str = "r", max_rows: int = 32) -> None:
+    def __init__(self, seed: int, prefix: str = "r", max_rows: int = 32, device: str = "cpu") -> None:
+        self.device = torch.device(device)
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.prefix = prefix
@@ -88,9 +92,9 @@ class Workload:
         padded = torch.randn(NUM_TENSORS, kept.shape[1] + pad, HIDDEN, generator=self.gen)
         order = torch.randperm(kept.shape[1] + pad, generator=self.gen)[: kept.shape[1]].sort().values
         padded[:, order] = kept
-        announced = producer.capture_step(
-            list(padded), ids, counts, positions, tokens, row_index=order if pad else None
-        )
+        states = list(padded.to(self.device))
+        index = order.to(self.device) if pad else None
+        announced = producer.capture_step(states, ids, counts, positions, tokens, row_index=index)
         if not pad:  # no padding: the states are the kept rows themselves
             assert torch.equal(padded, kept)
         self.total_rows += kept.shape[1]

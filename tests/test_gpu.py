@@ -1,0 +1,162 @@
+"""The CUDA ring: graph-replayed capture, start-up checks, leaks. GPU tests skip on a CPU host."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hscapture import CaptureConfig, HSCaptureError, Producer, open_store
+from hscapture.cuda_ring import CudaRingReader
+from tests.conftest import ConsumerFactory, wait_attached
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+HIDDEN = 256
+NAMES = ["layer_1", "layer_2", "layer_3", "last"]
+
+
+def gpu_config(endpoint: str, **overrides: object) -> CaptureConfig:
+    settings: dict = dict(
+        layers=(1, 2, 3),
+        hidden_size=HIDDEN,
+        num_layers=4,
+        dtype="bfloat16",
+        device="cuda",
+        slot_bytes=1 << 20,
+        ring_bytes=4 << 20,
+        max_step_rows=64,
+        policy="block",
+        endpoint=endpoint,
+        block_timeout_s=60,
+    )
+    settings.update(overrides)
+    return CaptureConfig(**settings)
+
+
+def producer_for(config: CaptureConfig) -> Producer:
+    return Producer(config, tensor_descriptions=[f"tensor {n}" for n in NAMES], meta={"engine": "test"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a CPU-only host gives")
+def test_cuda_ring_on_a_host_without_gpu_says_so(endpoint: str) -> None:
+    with pytest.raises(HSCaptureError, match="no CUDA GPU is visible"):
+        producer_for(gpu_config(endpoint))
+
+
+def test_unknown_device_kind_is_refused(endpoint: str) -> None:
+    with pytest.raises(ValueError, match="device: 'tpu' is not supported"):
+        gpu_config(endpoint, device="tpu")
+
+
+class Block(torch.nn.Module):
+    """Three residual layers and a final norm: stand-ins for a decoder's captured states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        states = []
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+            states.append(x)
+        states.append(self.norm(x))
+        return states
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["nvrtc-kernel", "index_copy"])
+@pytest.mark.parametrize("policy", ["block", "drop"])
+@pytest.mark.gpu
+@requires_gpu
+def test_graph_replayed_capture_is_bitwise_and_never_announces_padding(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, use_kernel: bool, policy: str
+) -> None:
+    pytest.importorskip("cupy")
+    from hscapture.graph import GraphRingWriter
+
+    batch = 32
+    torch.manual_seed(0)
+    model = Block().cuda().bfloat16()
+    static_x = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    producer = producer_for(gpu_config(endpoint, policy=policy, slot_bytes=256 << 10, ring_bytes=1 << 20))
+    wait_attached(producer)
+    writer = GraphRingWriter(producer, batch_rows=batch, use_kernel=use_kernel)
+    assert writer.uses_kernel == use_kernel
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture, as torch.cuda.graph requires
+        writer.plan()
+        static_states = model(static_x)
+        writer.write(static_states)
+    torch.cuda.current_stream().wait_stream(side)
+    writer.commit(1, ["warmup"], [1], [0], [0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_states = model(static_x)
+        writer.write(static_states)
+    references: dict[str, torch.Tensor] = {}
+    rng = np.random.default_rng(0)
+    for step in range(40):  # 3 usable slots: every slot is reused many times
+        static_x.copy_(torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16))
+        writer.plan()
+        graph.replay()
+        rows = int(rng.integers(1, batch + 1))  # the rest of the graph batch is padding
+        references[f"s{step}"] = torch.stack([s[:rows] for s in static_states], dim=1).cpu()
+        writer.commit(rows, [f"s{step}"], [rows], np.arange(rows), np.arange(rows) + step)
+        producer.finish_request(f"s{step}", num_tokens=rows)
+    counters = producer.close()
+    assert consumer.wait(60) == 0
+    store = open_store(tmp_path)
+    stored = [k for k in store.keys(complete_only=True) if k.startswith("s")]
+    if policy == "block":
+        assert len(stored) == 40 and counters.rows_dropped == 0
+    assert len(stored) + sum(1 for k in store if k.startswith("s") and k not in stored) == 40
+    for key in stored:
+        sample = store.get(key)
+        got = torch.stack([sample[n] for n in NAMES], dim=1)
+        assert torch.equal(got, references[key]), key
+        assert sample["positions"].tolist() == list(range(len(got)))
+    assert store.summary()["rows"] == counters.rows_captured, "padding rows were stored"
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("case", ["other-device", "bad-handle"])
+def test_consumer_side_errors_are_clear(case: str) -> None:
+    pytest.importorskip("cupy")
+    from hscapture.cuda_ring import device_uuid
+
+    description = {"backend": "cuda", "handle": b"\0" * 64, "events": [], "nbytes": 1 << 21}
+    if case == "other-device":
+        with pytest.raises(HSCaptureError, match="is not visible to this consumer"):
+            CudaRingReader({**description, "device_uuid": "GPU-not-here"})
+    else:
+        with pytest.raises(HSCaptureError, match="CUDA IPC: cannot open"):
+            CudaRingReader({**description, "device_uuid": device_uuid(0)})
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_ring_larger_than_free_memory_is_refused(endpoint: str) -> None:
+    free, _ = torch.cuda.mem_get_info()
+    slot = 64 << 20
+    with pytest.raises(HSCaptureError, match="MiB free"):
+        producer_for(gpu_config(endpoint, slot_bytes=slot, ring_bytes=(free // slot + 2) * slot))
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_producer_close_frees_the_ring(endpoint: str) -> None:
+    torch.cuda.synchronize()
+    before, _ = torch.cuda.mem_get_info()
+    for _ in range(3):
+        producer = producer_for(gpu_config(endpoint, ring_bytes=256 << 20))
+        producer.close()
+        producer.close()
+    torch.cuda.synchronize()
+    after, _ = torch.cuda.mem_get_info()
+    assert abs(before - after) < (8 << 20), f"{(before - after) >> 20} MiB not given back"
