@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 import zmq
 
 from hscapture import protocol
@@ -61,6 +62,8 @@ class Consumer:
     def __init__(self, config: ConsumerConfig) -> None:
         self.config = config
         self.consumer_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        if torch.cuda.is_available():
+            torch.cuda.init()  # before saying hello: a CUDA ring then opens in a millisecond, not a second
         self.stats = ConsumerStats()
         self.store: StoreWriter | NullSink
         if config.discard:
@@ -157,8 +160,8 @@ class Consumer:
         return False
 
     def _on_layout(self, layout: protocol.Layout) -> None:
-        if layout.consumer_id != self.consumer_id:
-            return  # the answer to another consumer's hello
+        if layout.consumer_id != self.consumer_id or layout.run_id == self.run_id:
+            return  # the answer to another consumer's hello, or a repeat of ours
         if layout.dtype not in DTYPES or layout.num_slots <= 0 or layout.slot_bytes <= 0:
             raise ProtocolError(f"Layout: unusable ring ({layout.num_slots} slots, dtype {layout.dtype!r})")
         if len(layout.tensor_names) != len(layout.tensor_descriptions) or not layout.tensor_names:
@@ -210,7 +213,7 @@ class Consumer:
         if message.run_id != self.run_id:
             return False
         self._release_copied(wait=True)  # the producer frees its ring once every slot is back
-        self.store.end_run("end of stream before the request finished", message.counters)
+        self.store.end_run("end of stream", message.counters)
         self._close_ring()
         self._layout = None
         self.stats.end_of_streams += 1

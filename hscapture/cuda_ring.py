@@ -102,13 +102,12 @@ class CudaRing(Ring):
 
     def mark_written(self, index: int) -> None:
         """Record slot ``index``'s IPC event on the current stream, after the writes queued there."""
-        stream = torch.cuda.current_stream(self.device)
-        if stream.is_capturing():
+        if torch.cuda.is_current_stream_capturing():
             raise HSCaptureError(
                 "mark_written: called inside CUDA graph capture; record the slot's event after replay "
                 "(GraphRingWriter.commit does)"
             )
-        self._runtime.eventRecord(self._events[index], stream.cuda_stream)
+        self._runtime.eventRecord(self._events[index], torch.cuda.current_stream(self.device).cuda_stream)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -67,6 +67,7 @@ class GraphRingWriter:
         shape = (config.num_slots, config.num_tensors, batch_rows, config.hidden_size)
         strides = (elements, batch_rows * config.hidden_size, config.hidden_size, 1)
         self._slots = torch.as_strided(full, shape, strides)
+        self._streams: dict[int, Any] = {}
         self._kernel = self._compile() if use_kernel is not False else None
         if use_kernel and self._kernel is None:
             raise ValueError("use_kernel=True but the ring-write kernel did not compile; see the log")
@@ -112,8 +113,6 @@ class GraphRingWriter:
         self._launch(states)
 
     def _launch(self, states: Sequence[torch.Tensor]) -> None:
-        import cupy
-
         config = self.producer.config
         plane_vec = self.batch_rows * config.hidden_size * config.itemsize // 16
         sources = [np.uint64(s.contiguous().data_ptr()) for s in states]
@@ -121,7 +120,7 @@ class GraphRingWriter:
         total = config.num_tensors * plane_vec
         block = 256
         grid = min(-(-total // block), 1024)
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream)
+        stream = self._cupy_stream(torch.cuda.current_stream(self.device).cuda_stream)
         args = (
             *sources,
             np.int32(config.num_tensors),
@@ -132,6 +131,17 @@ class GraphRingWriter:
         )
         with stream:
             self._kernel((grid,), (block,), args)
+
+    def _cupy_stream(self, handle: int) -> Any:
+        """cupy's view of a torch stream, made once per stream (launches go where torch queues work)."""
+        stream = self._streams.get(handle)
+        if stream is None:
+            import cupy
+
+            from_external = getattr(cupy.cuda.Stream, "from_external", None)
+            stream = from_external(_StreamHandle(handle)) if from_external else cupy.cuda.ExternalStream(handle)
+            self._streams[handle] = stream
+        return stream
 
     def commit(
         self,
@@ -164,3 +174,13 @@ class GraphRingWriter:
         if not sent:
             self.producer.count_dropped(request_ids, request_rows)
         return sent
+
+
+class _StreamHandle:
+    """The CUDA stream protocol (``__cuda_stream__``) around a raw stream handle."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)

@@ -471,8 +471,10 @@ class Producer:
         self._free.append(message.slot)
 
     def _on_hello(self, message: protocol.Hello) -> None:
-        if message.consumer_id == self._consumer_id and message.run_id == self.run_id:
-            return  # heartbeat of the attached consumer
+        if message.consumer_id == self._consumer_id:
+            # Its heartbeat, or a hello sent before our layout reached it: answering again would
+            # make it begin the run twice and replay the slots in flight.
+            return
         config = self.config
         layout = protocol.Layout(
             v=protocol.PROTOCOL_VERSION,

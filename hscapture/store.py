@@ -246,7 +246,7 @@ class StoreWriter:
         self._wait_writes()
         for request in self._requests.values():
             if request.finished is None and request.run_id == run.run_id:
-                request.end_reason = reason
+                request.end_reason = f"{reason} before the request finished"
         self._commit_ready()
         self._append({"type": "run_end", "run_id": run.run_id, "reason": reason, "counters": counters})
         self._run = None

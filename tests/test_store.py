@@ -317,7 +317,7 @@ def test_request_never_finished_gets_the_end_run_reason(tmp_path: Path, rng: np.
     feed = Feed(writer, requests)
     feed.chunk([("open", range(0, 9)), ("done", range(3))])
     feed.finish("done", num_tokens=3)
-    writer.end_run("end of stream before the request finished", {"rows_dropped": 0, "rows_captured": 12})
+    writer.end_run("end of stream", {"rows_dropped": 0, "rows_captured": 12})
     writer.close()
 
     store = open_store(tmp_path)
@@ -329,7 +329,7 @@ def test_request_never_finished_gets_the_end_run_reason(tmp_path: Path, rng: np.
     assert store.record("done")["status"] == "complete"
     (run,) = store.metadata()["runs"]
     assert run["run_id"] == "run-a"
-    assert run["end"]["reason"] == "end of stream before the request finished"
+    assert run["end"]["reason"] == "end of stream"
     assert run["end"]["counters"]["rows_captured"] == 12
 
 
@@ -340,7 +340,7 @@ def test_close_marks_open_requests_with_its_reason(tmp_path: Path, rng: np.rando
     writer.close("process 4242 exited")
     writer.close("again")  # idempotent: nothing more is written
     record = open_store(tmp_path).record("r")
-    assert (record["status"], record["reason"]) == ("incomplete", "process 4242 exited")
+    assert (record["status"], record["reason"]) == ("incomplete", "process 4242 exited before the request finished")
     assert sum(1 for r in read_index(tmp_path) if r["type"] == "run_end") == 1
 
 
@@ -355,7 +355,7 @@ def test_new_layout_ends_the_previous_run(tmp_path: Path, rng: np.random.Generat
     feed.finish("new", num_tokens=4)
     writer.close()
     store = open_store(tmp_path)
-    assert store.record("old")["reason"] == "producer restarted"
+    assert store.record("old")["reason"] == "producer restarted before the request finished"
     assert store.record("old")["run_id"] == "run-a"
     assert store.record("new")["run_id"] == "run-b" and store.record("new")["status"] == "complete"
     assert [r["run_id"] for r in store.metadata()["runs"]] == ["run-a", "run-b"]
