@@ -177,7 +177,7 @@ class Producer:
                 break
             self._write(slot, states, row_index, begin, count)
             ids, counts = _spans(request_ids, starts, begin, begin + count)
-            if not self._announce_slot(
+            if not self.announce_written(
                 slot, count, 0, ids, counts, positions[begin : begin + count], token_ids[begin : begin + count]
             ):
                 self._count_drop(request_ids, starts, begin, rows)
@@ -201,18 +201,6 @@ class Producer:
         there. Returns False when ``drop`` could not send (the slot is free again).
         """
         self.ring.mark_written(slot)
-        return self._announce_slot(slot, rows, row_stride, request_ids, request_rows, positions, token_ids)
-
-    def _announce_slot(
-        self,
-        slot: int,
-        rows: int,
-        row_stride: int,
-        request_ids: Sequence[str],
-        request_rows: Sequence[int],
-        positions: np.ndarray,
-        token_ids: np.ndarray,
-    ) -> bool:
         config = self.config
         seq = next(self._seq)
         chunk = protocol.Chunk(
@@ -386,7 +374,6 @@ class Producer:
             index = row_index[begin : begin + count]
             for i, state in enumerate(states):
                 torch.index_select(state, 0, index, out=dst[i])
-        self.ring.mark_written(slot)
 
     def _acquire_slot(self) -> int | None:
         if self._free and self._consumer_id is not None:
