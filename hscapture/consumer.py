@@ -101,7 +101,9 @@ class Consumer:
             while not self._stopping:
                 if time.monotonic() - self._last_hello >= heartbeat_s:
                     self._hello()
-                if self._announce.poll(1 if self._copying else self.config.heartbeat_ms):
+                if self._copying and not self._announce.poll(0):
+                    self._release_copied(oldest=True)  # nothing new: wait for the oldest copy, not a timer
+                if self._copying or self._announce.poll(self.config.heartbeat_ms):
                     for _ in range(_BATCH):
                         try:
                             data = self._announce.recv(zmq.NOBLOCK)
@@ -187,6 +189,7 @@ class Consumer:
         self._last_seq = chunk.seq
         if self.config.delay_ms:
             time.sleep(self.config.delay_ms / 1000)
+        log.debug("chunk seq %d slot %d rows %d", chunk.seq, chunk.slot, chunk.rows)
         ring.begin(chunk.slot)
         self.store.add_chunk(chunk, ring)
         self._copying.append((chunk.slot, chunk.seq, ring.mark()))
@@ -194,15 +197,18 @@ class Consumer:
         self.stats.rows += chunk.rows
         self._release_copied()
 
-    def _release_copied(self, wait: bool = False) -> None:
-        """Give back every slot whose copies have landed (all of them with ``wait``)."""
+    def _release_copied(self, wait: bool = False, oldest: bool = False) -> None:
+        """Give back every slot whose copies have landed (after waiting for all, or the oldest)."""
         ring = self._ring
         if ring is None:
             return
         if wait:
             ring.complete()
+        elif oldest and self._copying:
+            ring.wait(self._copying[0][2])
         while self._copying and ring.done(self._copying[0][2]):
             slot, seq, _ = self._copying.popleft()
+            log.debug("release slot %d seq %d", slot, seq)
             release = protocol.Release(v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=slot, seq=seq)
             try:
                 self._release.send(protocol.encode(release), zmq.NOBLOCK)

@@ -180,7 +180,8 @@ class CudaRingReader(RingReader):
 
     def mark(self) -> Any:
         """An event after the copies issued so far; the slot may be released once it completes."""
-        event = self._runtime.eventCreateWithFlags(self._runtime.eventDisableTiming)
+        # Blocking sync: a consumer waiting for its oldest copy sleeps instead of spinning a core.
+        event = self._runtime.eventCreateWithFlags(self._runtime.eventDisableTiming | self._runtime.eventBlockingSync)
         self._runtime.eventRecord(event, self._stream.ptr)
         return event
 
@@ -189,6 +190,9 @@ class CudaRingReader(RingReader):
             return False
         self._runtime.eventDestroy(token)
         return True
+
+    def wait(self, token: Any) -> None:
+        self._runtime.eventSynchronize(token)
 
     def complete(self) -> None:
         self._stream.synchronize()

@@ -77,6 +77,9 @@ class RingReader(ABC):
         """Whether the copies before ``token`` have finished (their slots may be released)."""
         return True
 
+    def wait(self, token: Any) -> None:  # noqa: B027 - host copies are synchronous
+        """Block until the copies before ``token`` have finished."""
+
     def complete(self) -> None:  # noqa: B027 - host copies are synchronous
         """Block until every copy issued so far has landed in host memory."""
 
