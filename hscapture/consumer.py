@@ -178,6 +178,7 @@ class Consumer:
         self._row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
         self._last_seq = 0
         self.stats.runs += 1
+        self._hello()  # confirms the layout: the producer starts announcing
         log.info("attached to run %s (%d slots of %d bytes)", layout.run_id, layout.num_slots, layout.slot_bytes)
 
     def _on_chunk(self, chunk: protocol.Chunk) -> None:

@@ -113,7 +113,8 @@ class Producer:
         self._in_flight: dict[int, _InFlight] = {}
         self._seq = itertools.count(1)
         self._request_drops: dict[str, int] = {}
-        self._consumer_id: str | None = None
+        self._consumer_id: str | None = None  # attached: it confirmed our layout
+        self._offered: str | None = None  # sent our layout, not confirmed yet
         self._closed = False
 
         prepare_ipc_dir(config.endpoint)
@@ -293,7 +294,7 @@ class Producer:
                 v=protocol.PROTOCOL_VERSION, run_id=self.run_id, counters=self.counters.to_dict()
             )
             self._drain_control()
-            if self._consumer_id is not None and self._send(protocol.encode(eos)):
+            if (self._consumer_id or self._offered) and self._send(protocol.encode(eos)):
                 deadline = time.monotonic() + timeout_s
                 while self._in_flight and time.monotonic() < deadline:
                     self._wait_control()
@@ -458,9 +459,16 @@ class Producer:
         self._free.append(message.slot)
 
     def _on_hello(self, message: protocol.Hello) -> None:
+        """Attach in two steps: offer the layout, then hand out credit once the consumer confirms.
+
+        A consumer confirms by saying hello with our run id, which it does as soon as it has
+        opened the ring; until then no slot is announced, so a slow first open (CUDA context,
+        pinned buffers) costs no rows that could have waited in the ring.
+        """
         if message.consumer_id == self._consumer_id:
-            # Its heartbeat, or a hello sent before our layout reached it: answering again would
-            # make it begin the run twice and replay the slots in flight.
+            return  # heartbeat of the attached consumer
+        if message.consumer_id == self._offered and message.run_id == self.run_id:
+            self._confirm(message.consumer_id)
             return
         config = self.config
         layout = protocol.Layout(
@@ -481,9 +489,13 @@ class Producer:
             self._announce.send(protocol.encode(layout), zmq.NOBLOCK)
         except zmq.Again:
             return  # its announce connection is not up yet; it says hello again
-        previous, self._consumer_id = self._consumer_id, message.consumer_id
+        # A new consumer replaces the old one, which is gone: no credit until it confirms.
+        self._offered, self._consumer_id = message.consumer_id, None
+
+    def _confirm(self, consumer_id: str) -> None:
+        self._consumer_id, self._offered = consumer_id, None
         self.counters.attaches += 1
-        log.info("consumer %s attached (replacing %s)", message.consumer_id, previous)
+        log.info("consumer %s attached", consumer_id)
         # Slots announced to a consumer that is gone still hold their rows: announce them again.
         try:
             for flight in sorted(self._in_flight.values(), key=lambda f: f.seq):

@@ -233,6 +233,9 @@ class StoreWriter:
             rows_per_shard=max(1, self.shard_bytes // row_bytes),
         )
         self._append({"type": "run", "run_id": layout.run_id, "time": time.time(), "meta": layout.meta})
+        if self._buffers_made == 0:  # allocate (pin) the first shard buffer now, not under the first chunk
+            self._buffers_made += 1
+            self._buffers.put(_new_buffer(self._run, self.allocate))
 
     def end_run(self, reason: str, counters: dict[str, int]) -> None:
         """Write the open shard, wait for all writes, and close every request of the run.
