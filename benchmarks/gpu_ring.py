@@ -739,7 +739,7 @@ def bench_matmul(args: argparse.Namespace) -> dict[str, Any]:
     run()  # warm-up: cuBLAS handle, heuristics, clocks
     alone_before = [run() for _ in range(args.repeats)]
     modes: dict[str, Any] = {}
-    for mode in ("capture", "announce"):
+    for mode in ("plain", "capture", "announce"):
         command = [sys.executable, str(Path(__file__).resolve()), "--drain-worker", "--seconds", "300"]
         command += ["--endpoint", endpoint(f"worker-{mode}"), "--worker-mode", mode, "--slot-mib", str(args.slot_mib)]
         worker = subprocess.Popen(command, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -793,9 +793,35 @@ def bench_matmul(args: argparse.Namespace) -> dict[str, Any]:
         "alone = median of repeats before and after the drain runs; slowdown = time during / time alone - 1; "
         "during_capture: the worker calls capture_step (its D2D slot writes run in another CUDA context and "
         "may time-slice with the matmul); during_announce: slots announced without rewriting them (the DMA drain "
-        "alone); drain_gbps: the worker's bytes from 'ready' to close() returning"
+        "alone); during_plain: control without hscapture, one process doing plain pinned D2H copies; "
+        "drain_gbps: the worker's bytes from 'ready' to the end"
     )
     return out
+
+
+def plain_drain_worker(args: argparse.Namespace, stopped: Callable[[], bool]) -> int:
+    """Control: plain pinned D2H copies flat out in one process, no hscapture at all."""
+    slot = args.slot_mib * MiB
+    src = torch.randint(0, 255, (DRAIN_SLOTS, slot), dtype=torch.uint8, device="cuda")
+    dst = torch.empty(slot, dtype=torch.uint8, pin_memory=True)
+    for i in range(DRAIN_SLOTS):
+        dst.copy_(src[i], non_blocking=True)
+    torch.cuda.synchronize()
+    print("ready", flush=True)
+    started = time.perf_counter()
+    deadline = started + args.seconds
+    steps = 0
+    while not stopped() and time.perf_counter() < deadline:
+        dst.copy_(src[steps % DRAIN_SLOTS], non_blocking=True)
+        steps += 1
+        if steps % DRAIN_SLOTS == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    result = {"mode": "plain", "steps": steps, "bytes": steps * slot, "seconds": round(seconds, 4)}
+    result["gbps"] = round(steps * slot / seconds / 1e9, 2)
+    print("result " + json.dumps(result), flush=True)
+    return 0
 
 
 def drain_worker(args: argparse.Namespace) -> int:
@@ -808,6 +834,8 @@ def drain_worker(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    if args.worker_mode == "plain":
+        return plain_drain_worker(args, lambda: stopping)
     slot = args.slot_mib * MiB
     hidden = args.hidden
     rows = rows_per_slot(hidden, slot)
@@ -926,7 +954,7 @@ def print_tables(results: dict[str, Any], goals: dict[str, Any]) -> None:
         print(f"\n### bf16 {MATMUL_N}³ matmul while another process drains\n")
         print("| condition | TFLOP/s | slowdown % | drain GB/s |\n|---|---:|---:|---:|")
         print(f"| alone | {mm['alone']['tflops']:.1f} | — | — |")
-        for mode in ("capture", "announce"):
+        for mode in ("plain", "capture", "announce"):
             d = mm.get(f"during_{mode}")
             if d and "error" in d:
                 print(f"| during drain ({mode}) | — | — | {d['error']} |")
@@ -987,7 +1015,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     worker.add_argument("--drain-worker", action="store_true", help=argparse.SUPPRESS)
     worker.add_argument("--seconds", type=float, default=10.0, help="worker: capture this long at most")
     worker.add_argument("--endpoint", help="worker: producer endpoint")
-    worker.add_argument("--worker-mode", choices=("capture", "announce"), default="capture")
+    worker.add_argument("--worker-mode", choices=("plain", "capture", "announce"), default="capture")
     worker.add_argument("--hidden", type=int, default=4096, help="worker: hidden size")
     args = parser.parse_args(argv)
     args.gib = args.gib if args.gib is not None else (1.0 if args.quick else 8.0)
