@@ -15,6 +15,7 @@ Rules this module follows (DESIGN.md, each learned the hard way):
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -152,8 +153,17 @@ class CudaRingReader(RingReader):
                     "container (it needs the same IPC namespace and no --ipc=private), or the producer exited"
                 ) from None
             self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._pending: list[Any] = []
+            self._warm_up()
+        self._wait_on_host = os.environ.get("HSCAPTURE_IPC_WAIT", "host") != "stream"
         self._closed = False
+
+    def _warm_up(self) -> None:
+        """One small copy before the consumer confirms: first-touch costs of the mapping land here."""
+        probe = self.allocate(min(self.nbytes, 4096))
+        self._runtime.memcpyAsync(
+            probe.ctypes.data, self._ptr, probe.nbytes, self._runtime.memcpyDeviceToHost, self._stream.ptr
+        )
+        self._stream.synchronize()
 
     @staticmethod
     def _find_device(uuid: str) -> int:
@@ -168,8 +178,15 @@ class CudaRingReader(RingReader):
         return visible.index(uuid)
 
     def begin(self, slot: int) -> None:
-        """Order the following copies after the producer's writes to ``slot``."""
-        self._runtime.streamWaitEvent(self._stream.ptr, self._events[slot], 0)
+        """Order the following copies after the producer's writes to ``slot``.
+
+        ``host`` (default) waits for the slot's IPC event on this thread, so our copies carry no
+        GPU-side dependency on the engine's context; ``stream`` makes our stream wait on it.
+        """
+        if self._wait_on_host:
+            self._runtime.eventSynchronize(self._events[slot])
+        else:
+            self._runtime.streamWaitEvent(self._stream.ptr, self._events[slot], 0)
 
     def copy_into(self, offset: int, dst: np.ndarray) -> None:
         if offset < 0 or offset + dst.nbytes > self.nbytes:

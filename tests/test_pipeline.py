@@ -116,7 +116,8 @@ def test_drop_policy_never_waits_and_counts_drops_exactly(
 def test_consumer_started_after_producer_attaches_and_captures_from_there(
     tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
 ) -> None:
-    producer = make_producer(make_config(endpoint, policy="drop", device=device))
+    # 16 slots of 32 rows: ~80 ms of a 5 ms serving pace, room for a GPU consumer's first copies.
+    producer = make_producer(make_config(endpoint, policy="drop", slots=16, rows_per_slot=32, device=device))
     workload = Workload(seed=4, device=device)
     before = sum(workload.step(producer) for _ in range(30))
     assert before == 0 and producer.counters.rows_dropped == workload.total_rows
