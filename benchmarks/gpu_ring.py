@@ -760,6 +760,11 @@ def bench_matmul(args: argparse.Namespace) -> dict[str, Any]:
             modes[mode] = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             stop_process(worker)
+    try:
+        modes["engine"] = matmul_in_engine(args, run)
+    except Exception as exc:
+        report_error(exc)
+        modes["engine"] = {"error": f"{type(exc).__name__}: {exc}"}
     alone_after = [run() for _ in range(args.repeats)]
     alone = median(alone_before + alone_after)
 
@@ -793,10 +798,60 @@ def bench_matmul(args: argparse.Namespace) -> dict[str, Any]:
         "alone = median of repeats before and after the drain runs; slowdown = time during / time alone - 1; "
         "during_capture: the worker calls capture_step (its D2D slot writes run in another CUDA context and "
         "may time-slice with the matmul); during_announce: slots announced without rewriting them (the DMA drain "
-        "alone); during_plain: control without hscapture, one process doing plain pinned D2H copies; "
+        "alone); during_engine: the real topology, matmul in the producer's own process while its consumer "
+        "drains (the goal is held against this one); during_plain: control without hscapture, one process "
+        "doing plain pinned D2H copies; "
         "drain_gbps: the worker's bytes from 'ready' to the end"
     )
     return out
+
+
+def matmul_in_engine(args: argparse.Namespace, run: Callable[[], float]) -> dict[str, Any]:
+    """The real topology: the matmul runs in the producer's own process (the engine), as a model
+    forward would, and only the consumer is another process, draining by DMA.
+
+    A thread of this process announces ring slots (each slot's event recorded on its own side
+    stream) as fast as the consumer releases them, while the main thread times the matmuls.
+    """
+    slot = args.slot_mib * MiB
+    rows = rows_per_slot(args.hidden, slot)
+    step_bytes = rows * TENSORS * args.hidden * ITEMSIZE
+    config = make_config(endpoint("engine"), args.hidden, "drop", slot, DRAIN_SLOTS, rows)
+    consumer = start_consumer(config.endpoint)
+    producer = make_producer(config)
+    stop = threading.Event()
+    announced = [0]
+
+    def announce() -> None:
+        positions, tokens = row_meta(rows)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            while not stop.is_set():
+                slot_index = producer.acquire_slot()
+                if slot_index is None:
+                    time.sleep(50e-6)
+                    continue
+                if producer.announce_written(slot_index, rows, 0, IDS, [rows], positions, tokens):
+                    announced[0] += 1
+
+    try:
+        prime(producer, consumer, random_states(rows, args.hidden), rows)
+        thread = threading.Thread(target=announce, name="announce", daemon=True)
+        thread.start()
+        time.sleep(0.2)  # the drain reaches steady state
+        started, before = time.perf_counter(), announced[0]
+        during = [run() for _ in range(args.repeats)]
+        seconds, count = time.perf_counter() - started, announced[0] - before
+        stop.set()
+        thread.join(10)
+        producer.close(timeout_s=30.0)
+        return {
+            "seconds": during,
+            "worker": {"mode": "engine", "gbps": round(count * step_bytes / seconds / 1e9, 2), "slots": count},
+        }
+    finally:
+        stop.set()
+        producer.close(timeout_s=10.0)
+        finish_consumer(consumer, 30.0)
 
 
 def plain_drain_worker(args: argparse.Namespace, stopped: Callable[[], bool]) -> int:
@@ -954,7 +1009,7 @@ def print_tables(results: dict[str, Any], goals: dict[str, Any]) -> None:
         print(f"\n### bf16 {MATMUL_N}³ matmul while another process drains\n")
         print("| condition | TFLOP/s | slowdown % | drain GB/s |\n|---|---:|---:|---:|")
         print(f"| alone | {mm['alone']['tflops']:.1f} | — | — |")
-        for mode in ("plain", "capture", "announce"):
+        for mode in ("plain", "engine", "capture", "announce"):
             d = mm.get(f"during_{mode}")
             if d and "error" in d:
                 print(f"| during drain ({mode}) | — | — | {d['error']} |")
@@ -974,7 +1029,7 @@ def print_tables(results: dict[str, Any], goals: dict[str, Any]) -> None:
 
 def compute_goals(results: dict[str, Any]) -> dict[str, Any]:
     ratio = results.get("drain", {}).get("ratio")
-    slowdown = results.get("matmul", {}).get("during_capture", {}).get("slowdown_pct")
+    slowdown = results.get("matmul", {}).get("during_engine", {}).get("slowdown_pct")
     return {
         "drain_ratio_vs_pinned_d2h": {
             "target": ">= 0.90",
