@@ -368,9 +368,8 @@ class Producer:
         config = self.config
         dst = self._slots[slot][: count * config.num_tensors * config.hidden_size]
         dst = dst.view(config.num_tensors, count, config.hidden_size)
-        if row_index is None:
-            for i, state in enumerate(states):
-                dst[i].copy_(state[begin : begin + count])
+        if row_index is None:  # one launch for all tensors, not one copy each
+            torch.stack([state[begin : begin + count] for state in states], out=dst)
         else:
             index = row_index[begin : begin + count]
             for i, state in enumerate(states):
