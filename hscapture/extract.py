@@ -254,6 +254,7 @@ def _capture_config(model: Any, layers: tuple[int, ...], options: ExtractOptions
         max_step_rows=max_rows,
         policy="block",
         endpoint=f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}",
+        device="cuda" if torch.device(options.device).type == "cuda" else "cpu",  # GPU models get the CUDA ring
     )
 
 

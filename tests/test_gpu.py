@@ -160,3 +160,32 @@ def test_producer_close_frees_the_ring(endpoint: str) -> None:
     torch.cuda.synchronize()
     after, _ = torch.cuda.mem_get_info()
     assert abs(before - after) < (8 << 20), f"{(before - after) >> 20} MiB not given back"
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_offline_extraction_on_gpu_is_bitwise_hf(tiny_model: Path, tmp_path: Path) -> None:
+    """`extract --device cuda` goes through the CUDA ring and stores HF's own hidden states, bit for bit."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hscapture.data import load_samples, pad_batch, plan_batches
+    from hscapture.extract import ExtractOptions, extract
+    from hscapture.tiny import write_demo_jsonl
+
+    data = write_demo_jsonl(tmp_path / "demo.jsonl", n=40)
+    out = tmp_path / "store"
+    summary = extract(ExtractOptions(out=out, model=tiny_model, data=data, device="cuda", progress=False))
+    assert summary.store["complete"] == 40
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).cuda().eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    store = open_store(out)
+    for batch in plan_batches(list(load_samples(data, tokenizer)), 4096, 64):
+        ids, mask = pad_batch(batch, tokenizer.pad_token_id)
+        with torch.inference_mode():
+            hidden = model(input_ids=ids.cuda(), attention_mask=mask.cuda(), output_hidden_states=True).hidden_states
+        for i, sample in enumerate(batch):
+            n, got = len(sample.input_ids), store.get(sample.key)
+            for k in (2, 4, 5):
+                assert torch.equal(got[f"layer_{k}"], hidden[k][i, :n].cpu()), (sample.key, k)
+            assert torch.equal(got["last"], hidden[-1][i, :n].cpu())
+            assert got["input_ids"].tolist() == sample.input_ids
