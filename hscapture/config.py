@@ -74,6 +74,9 @@ class CaptureConfig:
     policy: Policy = "block"
     #: Base ZeroMQ endpoint; ``-announce`` and ``-release`` sockets hang off it.
     endpoint: str = field(default_factory=default_endpoint)
+    #: Secret a consumer must present to attach; None makes one per run (published beside an
+    #: ipc:// endpoint for consumers of the same user; pass it to consumers of a tcp:// one).
+    token: str | None = None
     #: Where the engine's activations live: ``cpu`` (host shared-memory ring) or ``cuda[:N]``
     #: (GPU ring exported over CUDA IPC).
     device: str = "cpu"
@@ -206,6 +209,8 @@ class ConsumerConfig:
     watch_pid: int | None = None
     #: Copy chunks out and release them but write nothing (drain-rate benchmarks).
     discard: bool = False
+    #: The producer's token; None reads it from the file beside an ipc:// endpoint.
+    token: str | None = None
 
     def __post_init__(self) -> None:
         if self.out_dir is None and not self.discard:

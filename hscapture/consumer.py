@@ -28,7 +28,7 @@ from hscapture.errors import ProtocolError
 from hscapture.ring import RingReader, open_ring
 from hscapture.sink import NullSink
 from hscapture.store import StoreWriter
-from hscapture.transport import announce_endpoint, make_socket, release_endpoint
+from hscapture.transport import announce_endpoint, make_socket, read_token, release_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class Consumer:
         self._ring: RingReader | None = None
         self._row_bytes = 0
         self._last_seq = 0
+        self._producer_pid = 0
         #: Slots whose copies are in flight: (slot, seq, token from RingReader.mark).
         self._copying: deque[tuple[int, int, Any]] = deque()
         self._stopping = False
@@ -100,6 +101,8 @@ class Consumer:
         try:
             while not self._stopping:
                 if time.monotonic() - self._last_hello >= heartbeat_s:
+                    if self._producer_died() and self.config.exit_on_eos:
+                        return self.stats
                     self._hello()
                 if self._copying and not self._announce.poll(0):
                     self._release_copied(oldest=True)  # nothing new: wait for the oldest copy, not a timer
@@ -137,7 +140,10 @@ class Consumer:
 
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
-        hello = protocol.Hello(v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, run_id=self.run_id)
+        token = self.config.token if self.config.token is not None else read_token(self.config.endpoint)
+        hello = protocol.Hello(
+            v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, run_id=self.run_id, token=token
+        )
         with contextlib.suppress(zmq.Again):  # no producer yet: say it again next heartbeat
             self._release.send(protocol.encode(hello), zmq.NOBLOCK)
 
@@ -175,6 +181,8 @@ class Consumer:
         self.store.barrier = ring.complete
         self.store.begin_run(layout)
         self._layout = layout
+        # A producer we cannot see (another pid namespace) is not watched: never end a live run.
+        self._producer_pid = layout.pid if layout.pid and _alive(layout.pid) else 0
         self._row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
         self._last_seq = 0
         self.stats.runs += 1
@@ -225,6 +233,17 @@ class Consumer:
         self._layout = None
         self.stats.end_of_streams += 1
         log.info("run %s ended: %s", message.run_id, message.counters)
+        return True
+
+    def _producer_died(self) -> bool:
+        """End the run if the producer's process is gone (checked once per heartbeat)."""
+        layout = self._layout
+        if layout is None or not self._producer_pid or _alive(self._producer_pid):
+            return False
+        log.warning("producer process %d of run %s is gone; finishing its requests", self._producer_pid, layout.run_id)
+        self.store.end_run("producer died", {})
+        self._close_ring()
+        self._layout = None
         return True
 
     def _close_ring(self) -> None:

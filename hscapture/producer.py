@@ -21,8 +21,11 @@ methods and does nothing, so call sites need no ``if capture_enabled``.
 from __future__ import annotations
 
 import bisect
+import hmac
 import itertools
 import logging
+import os
+import secrets
 import time
 import uuid
 from collections import deque
@@ -38,7 +41,14 @@ from hscapture import protocol
 from hscapture.config import CaptureConfig, dtype_name
 from hscapture.errors import CreditTimeout, ProtocolError
 from hscapture.ring import Ring, create_ring
-from hscapture.transport import announce_endpoint, make_socket, prepare_ipc_dir, release_endpoint
+from hscapture.transport import (
+    announce_endpoint,
+    make_socket,
+    prepare_ipc_dir,
+    publish_token,
+    release_endpoint,
+    withdraw_token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +113,7 @@ class Producer:
             )
         self.config = config
         self.run_id = uuid.uuid4().hex[:16]
+        self.token = config.token or secrets.token_hex(16)
         self.counters = ProducerCounters()
         self._descriptions = list(tensor_descriptions)
         self._meta = {"config": config.to_dict(), **(meta or {})}
@@ -131,6 +142,7 @@ class Producer:
             raise zmq.ZMQError(
                 exc.errno, f"endpoint {config.endpoint!r}: {exc.strerror}; is another producer running there?"
             ) from None
+        publish_token(config.endpoint, self.token)
         self._poller = zmq.Poller()
         self._poller.register(self._release, zmq.POLLIN)
 
@@ -305,6 +317,7 @@ class Producer:
         finally:
             self._closed = True
             self._slots = []
+            withdraw_token(self.config.endpoint, self.token)
             self._close_sockets()
             self.ring.close()
         return self.counters
@@ -464,6 +477,11 @@ class Producer:
         opened the ring; until then no slot is announced, so a slow first open (CUDA context,
         pinned buffers) costs no rows that could have waited in the ring.
         """
+        if not hmac.compare_digest(message.token.encode(), self.token.encode()):
+            raise ProtocolError(
+                f"Hello: consumer {message.consumer_id!r} gave a wrong token; a stray process, or a consumer "
+                "of another run (tcp:// consumers need --token)"
+            )
         if message.consumer_id == self._consumer_id:
             return  # heartbeat of the attached consumer
         if message.consumer_id == self._offered and message.run_id == self.run_id:
@@ -483,6 +501,7 @@ class Producer:
             tensor_descriptions=self._descriptions,
             policy=config.policy,
             meta=self._meta,
+            pid=os.getpid(),
         )
         try:
             self._announce.send(protocol.encode(layout), zmq.NOBLOCK)

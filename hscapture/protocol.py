@@ -39,6 +39,9 @@ class Hello(Message, tag="hello"):
 
     consumer_id: str
     run_id: str = ""
+    #: The producer's per-run secret: read from the 0600 token file beside an ipc:// endpoint,
+    #: or given with --token for tcp://. A hello without it cannot attach.
+    token: str = ""
 
 
 class Release(Message, tag="release"):
@@ -67,6 +70,8 @@ class Layout(Message, tag="layout"):
     tensor_descriptions: list[str]
     policy: str
     meta: dict[str, Any] = {}
+    #: The producer's process id: a consumer on the same host notices it die.
+    pid: int = 0
 
 
 class Chunk(Message, tag="chunk"):

@@ -46,3 +46,39 @@ def make_socket(context: zmq.Context, kind: int, *, immediate: bool = False) -> 
     if immediate:
         sock.setsockopt(zmq.IMMEDIATE, 1)
     return sock
+
+
+def token_path(base: str) -> Path | None:
+    """Where an ipc:// producer leaves its per-run token (in the 0700 socket directory)."""
+    if not base.startswith("ipc://"):
+        return None
+    return Path(base[len("ipc://") :] + "-token")
+
+
+def publish_token(base: str, token: str) -> None:
+    """Write the run's token for consumers of this user (mode 0600, atomically)."""
+    path = token_path(base)
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token)
+    os.replace(tmp, path)
+
+
+def read_token(base: str) -> str:
+    """The current run's token of an ipc:// producer ('' when none is published)."""
+    path = token_path(base)
+    try:
+        return path.read_text().strip() if path is not None else ""
+    except OSError:
+        return ""
+
+
+def withdraw_token(base: str, token: str) -> None:
+    """Remove our token file, unless a newer run has replaced it."""
+    if read_token(base) == token:
+        path = token_path(base)
+        assert path is not None
+        path.unlink(missing_ok=True)
