@@ -24,7 +24,7 @@ import zmq
 
 from hscapture import protocol
 from hscapture.config import DTYPES, ConsumerConfig
-from hscapture.errors import ProtocolError
+from hscapture.errors import HSCaptureError, ProtocolError
 from hscapture.ring import RingReader, open_ring
 from hscapture.sink import NullSink
 from hscapture.store import StoreWriter
@@ -131,6 +131,8 @@ class Consumer:
         self._closed = True
         try:
             self.store.close(reason)
+        except HSCaptureError as exc:  # e.g. the disk is still full: what is indexed stays intact
+            log.error("the store could not be finished: %s", exc)
         finally:
             self._close_ring()
             self._announce.close(linger=0)

@@ -212,14 +212,24 @@ def extract(options: ExtractOptions) -> ExtractSummary:
     started = time.monotonic()
     tokens = done = 0
     with HFCapture(model, layers, options.capture_last) as capture:
-        producer = Producer(config, tensor_descriptions=describe(layers, options.capture_last), meta=meta)
         consumer = start_consumer(endpoint, options)
+
+        def consumer_alive() -> None:
+            if consumer.poll() is not None:
+                raise HSCaptureError(f"consumer exited with code {consumer.returncode}; see its message above")
+
+        try:
+            producer = Producer(
+                config, tensor_descriptions=describe(layers, options.capture_last), meta=meta, watchdog=consumer_alive
+            )
+        except BaseException:
+            consumer.kill()
+            raise
         try:
             bar = tqdm(total=sum(len(s.input_ids) for s in samples), unit="tok", disable=not options.progress)
             with bar:
                 for batch in batches:
-                    if consumer.poll() is not None:
-                        raise HSCaptureError(f"consumer exited with code {consumer.returncode}; see its log above")
+                    consumer_alive()
                     tokens += run_batch(capture, producer, model, batch, pad_id)
                     done += len(batch)
                     bar.set_postfix(samples=f"{done}/{len(samples)}", refresh=False)

@@ -29,7 +29,7 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ import zmq
 
 from hscapture import protocol
 from hscapture.config import CaptureConfig, dtype_name
-from hscapture.errors import CreditTimeout, ProtocolError
+from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError
 from hscapture.ring import Ring, create_ring
 from hscapture.transport import (
     announce_endpoint,
@@ -92,6 +92,8 @@ class Producer:
             order) saying exactly what was captured; stored in the store's metadata.
         meta: msgpack-safe facts for the store (engine, model path, ...).
         ring: a ring to write into; by default a host shared-memory ring is allocated.
+        watchdog: called on every turn of a ``block`` wait; raise from it to stop waiting (an
+            extraction raises when its consumer process has exited).
 
     Raises:
         ValueError: descriptions do not match the captured tensors.
@@ -105,6 +107,7 @@ class Producer:
         tensor_descriptions: Sequence[str],
         meta: dict[str, Any] | None = None,
         ring: Ring | None = None,
+        watchdog: Callable[[], None] | None = None,
     ) -> None:
         if len(tensor_descriptions) != config.num_tensors:
             raise ValueError(
@@ -127,6 +130,7 @@ class Producer:
         self._consumer_id: str | None = None  # attached: it confirmed our layout
         self._offered: str | None = None  # sent our layout, not confirmed yet
         self._closed = False
+        self._watchdog = watchdog
 
         prepare_ipc_dir(config.endpoint)
         self._context = zmq.Context.instance()
@@ -312,8 +316,8 @@ class Producer:
                     self._wait_control()
                 if self._in_flight:
                     log.warning("closing with %d slots not released by the consumer", len(self._in_flight))
-        except CreditTimeout:
-            log.warning("consumer gone at close; end of stream not delivered")
+        except HSCaptureError as exc:  # no consumer to deliver to (timeout, or the watchdog said so)
+            log.warning("end of stream not delivered: %s", exc)
         finally:
             self._closed = True
             self._slots = []
@@ -435,6 +439,8 @@ class Producer:
                 if now > next_warning:
                     log.warning("waiting %.0f s for %s; is a consumer running?", now - start, what)
                     next_warning = now + 10.0
+                if self._watchdog is not None:
+                    self._watchdog()
                 self._wait_control()
         finally:
             self.counters.credit_wait_us += round((time.monotonic() - start) * 1e6)

@@ -1,0 +1,68 @@
+"""Closing runs whose consumer died: no request with durable rows goes unrecorded.
+
+A consumer killed mid-run leaves durable shards whose requests never got an index line (their
+lines wait for the request to finish). The next writer of the store finds every run without a
+``run_end`` line, reads the request table of each of that run's shards (the small
+``request_index`` and ``positions`` tensors only), and records each unrecorded request as
+incomplete, with its spans and the positions it lacks, before writing anything new.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+
+from hscapture.store import _add_runs, _Request, _request_record, shard_name
+
+log = logging.getLogger(__name__)
+
+REASON = "consumer died before the request was recorded"
+
+
+def recover_open_runs(root: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Index lines that close every run left open by a dead consumer (empty when none is).
+
+    Args:
+        root: the store directory.
+        records: its index lines, as :func:`hscapture.store.read_index` returns them.
+    """
+    ended = {r["run_id"] for r in records if r["type"] == "run_end"}
+    open_runs = [r["run_id"] for r in records if r["type"] == "run" and r["run_id"] not in ended]
+    if not open_runs:
+        return []
+    recorded = {(r["run_id"], r["id"]) for r in records if r["type"] == "request"}
+    found: dict[tuple[str, str], _Request] = {}
+    for shard in (r for r in records if r["type"] == "shard"):
+        path = root / shard_name(shard["id"])
+        try:
+            with safe_open(str(path), framework="np") as handle:
+                meta = handle.metadata() or {}
+                if meta.get("run_id") not in open_runs:
+                    continue
+                owners = handle.get_tensor("request_index")
+                positions = handle.get_tensor("positions")
+                request_ids = json.loads(meta["request_ids"])
+        except (OSError, KeyError, ValueError) as exc:
+            log.warning("%s: unreadable while recovering a dead consumer's run (%s); skipped", path, exc)
+            continue
+        for local, request_id in enumerate(request_ids):
+            key = (meta["run_id"], request_id)
+            if key in recorded:
+                continue
+            request = found.setdefault(key, _Request(meta["run_id"], end_reason=REASON))
+            rows = np.flatnonzero(owners == local)
+            for block in np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1):
+                if block.size:
+                    request.spans.append([shard["id"], int(block[0]), int(block.size)])
+                    request.rows += int(block.size)
+                    _add_runs(request.runs, positions[block])
+    lines = [_request_record(request_id, request) for (_, request_id), request in found.items()]
+    lines += [{"type": "run_end", "run_id": run, "reason": "consumer died", "counters": {}} for run in open_runs]
+    if found:
+        log.warning("recovered %d requests of %d run(s) left open by a dead consumer", len(found), len(open_runs))
+    return lines
