@@ -1,9 +1,10 @@
-"""``hscapture`` command line: ``extract`` (offline bulk extraction) and ``consume`` (the consumer)."""
+"""``hscapture`` command line: ``extract`` (offline bulk extraction), ``consume`` (the consumer), ``verify``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -77,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--watch-pid", type=int, help="finish and exit when this process is gone")
     con.add_argument("--discard", action="store_true", help="copy out and release but write nothing (benchmarks)")
     con.add_argument("--quiet", action="store_true", help="print nothing but warnings")
+
+    ver = commands.add_parser(
+        "verify",
+        help="check every shard of a store against its checksums",
+        description="Reads every shard the index lists and compares its bytes with the CRC-32 checksums of its "
+        "index line (whole file and per tensor). Exit status: 0 everything verifies, 1 something is corrupted "
+        "or missing, 2 DIR is not a store.",
+    )
+    ver.add_argument("dir", type=Path, metavar="DIR", help="store directory")
+    ver.add_argument("--json", action="store_true", help="print the report as JSON")
+    ver.add_argument("--jobs", type=int, default=4, help="shards checked in parallel (default 4)")
     return parser
 
 
@@ -88,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "extract":
             return _extract(args)
+        if args.command == "verify":
+            return _verify(args)
         return _consume(args)
     except (ValueError, TypeError) as exc:
         print(f"hscapture {args.command}: error: {exc}", file=sys.stderr)
@@ -161,3 +175,31 @@ def _consume(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"done: {stats.to_dict()}", file=sys.stderr)
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    import json
+    from collections.abc import Iterable
+
+    from tqdm import tqdm
+
+    from hscapture.errors import StoreError
+    from hscapture.verify import ShardCheck, format_report, verify_store
+
+    def progress(checks: Iterable[ShardCheck], total: int) -> Iterable[ShardCheck]:
+        show = sys.stdout.isatty() and total > 4 and not args.json  # a bar over more than a few shards
+        return tqdm(checks, total=total, unit="shard", desc="verify", disable=not show, leave=False)
+
+    try:
+        report = verify_store(args.dir, jobs=args.jobs, progress=progress)
+    except StoreError as exc:
+        print(f"hscapture verify: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nhscapture verify: interrupted", file=sys.stderr)
+        return 130
+    try:
+        print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report), flush=True)
+    except BrokenPipeError:  # piped into head: the verdict is still the exit status
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0 if report.ok else 1

@@ -25,6 +25,7 @@ import zmq
 from hscapture import protocol
 from hscapture.config import DTYPES, ConsumerConfig
 from hscapture.errors import HSCaptureError, ProtocolError
+from hscapture.protocol import short_repr
 from hscapture.ring import RingReader, open_ring
 from hscapture.sink import NullSink
 from hscapture.store import StoreWriter
@@ -80,6 +81,9 @@ class Consumer:
         self._row_bytes = 0
         self._last_seq = 0
         self._producer_pid = 0
+        #: The last announcement taken per slot (seq, hash of its bytes): the very same announcement
+        #: coming again after a re-attach is released again instead of rejected as a replay.
+        self._announced: dict[int, tuple[int, int]] = {}
         #: Slots whose copies are in flight: (slot, seq, token from RingReader.mark).
         self._copying: deque[tuple[int, int, Any]] = deque()
         self._stopping = False
@@ -158,7 +162,7 @@ class Consumer:
             elif self._layout is None:
                 pass  # meant for a consumer before us; the producer re-announces after our layout
             elif isinstance(message, protocol.Chunk):
-                self._on_chunk(message)
+                self._on_chunk(message, hash(data))
             elif isinstance(message, protocol.RequestFinished):
                 self.store.finish_request(message)
                 self.stats.requests_finished += 1
@@ -172,11 +176,18 @@ class Consumer:
     def _on_layout(self, layout: protocol.Layout) -> None:
         if layout.consumer_id != self.consumer_id or layout.run_id == self.run_id:
             return  # the answer to another consumer's hello, or a repeat of ours
-        if layout.dtype not in DTYPES or layout.num_slots <= 0 or layout.slot_bytes <= 0:
-            raise ProtocolError(f"Layout: unusable ring ({layout.num_slots} slots, dtype {layout.dtype!r})")
-        if len(layout.tensor_names) != len(layout.tensor_descriptions) or not layout.tensor_names:
-            raise ProtocolError(f"Layout.tensor_names: {layout.tensor_names} do not match their descriptions")
-        ring = open_ring(layout.ring)
+        _check_layout(layout)
+        try:
+            ring = open_ring(layout.ring)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # a description we cannot open is the peer's fault, not a reason to die
+            raise ProtocolError(f"Layout.ring: cannot open it: {exc}") from None
+        if ring.nbytes < layout.num_slots * layout.slot_bytes:
+            ring.close()
+            raise ProtocolError(
+                f"Layout: {layout.num_slots} slots of {layout.slot_bytes} bytes do not fit the ring of {ring.nbytes}"
+            )
         self._close_ring()
         self._ring = ring
         self.store.allocate = ring.allocate
@@ -184,20 +195,25 @@ class Consumer:
         self.store.begin_run(layout)
         self._layout = layout
         # A producer we cannot see (another pid namespace) is not watched: never end a live run.
-        self._producer_pid = layout.pid if layout.pid and _alive(layout.pid) else 0
+        self._producer_pid = layout.pid if 0 < layout.pid < 2**31 and _alive(layout.pid) else 0
         self._row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
         self._last_seq = 0
+        self._announced = {}
         self.stats.runs += 1
         self._hello()  # confirms the layout: the producer starts announcing
         log.info("attached to run %s (%d slots of %d bytes)", layout.run_id, layout.num_slots, layout.slot_bytes)
 
-    def _on_chunk(self, chunk: protocol.Chunk) -> None:
+    def _on_chunk(self, chunk: protocol.Chunk, digest: int) -> None:
         layout, ring = self._layout, self._ring
         assert layout is not None and ring is not None
         protocol.check_chunk(chunk, layout, self._row_bytes)
         if chunk.seq <= self._last_seq:
+            if self._announced.get(chunk.slot) == (chunk.seq, digest):  # the same announcement again, after a
+                self._send_release(chunk.slot, chunk.seq)  # re-attach: copied already, so release it again
+                return
             raise ProtocolError(f"Chunk.seq: {chunk.seq} after {self._last_seq}; replayed or out of order")
         self._last_seq = chunk.seq
+        self._announced[chunk.slot] = (chunk.seq, digest)
         if self.config.delay_ms:
             time.sleep(self.config.delay_ms / 1000)
         log.debug("chunk seq %d slot %d rows %d", chunk.seq, chunk.slot, chunk.rows)
@@ -219,12 +235,15 @@ class Consumer:
             ring.wait(self._copying[0][2])
         while self._copying and ring.done(self._copying[0][2]):
             slot, seq, _ = self._copying.popleft()
-            log.debug("release slot %d seq %d", slot, seq)
-            release = protocol.Release(v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=slot, seq=seq)
-            try:
-                self._release.send(protocol.encode(release), zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("producer gone; slot %d not released", slot)
+            self._send_release(slot, seq)
+
+    def _send_release(self, slot: int, seq: int) -> None:
+        log.debug("release slot %d seq %d", slot, seq)
+        release = protocol.Release(v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=slot, seq=seq)
+        try:
+            self._release.send(protocol.encode(release), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("producer gone; slot %d not released", slot)
 
     def _on_end(self, message: protocol.EndOfStream) -> bool:
         if message.run_id != self.run_id:
@@ -264,3 +283,14 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _check_layout(layout: protocol.Layout) -> None:
+    """Refuse a layout whose geometry cannot be real, before opening or writing anything."""
+    if layout.dtype not in DTYPES or not 0 < layout.num_slots <= 1 << 20 or layout.slot_bytes <= 0:
+        raise ProtocolError(f"Layout: unusable ring ({layout.num_slots} slots, dtype {short_repr(layout.dtype)})")
+    if not layout.tensor_names or len(layout.tensor_names) != len(layout.tensor_descriptions):
+        raise ProtocolError(f"Layout.tensor_names: {short_repr(layout.tensor_names)} do not match their descriptions")
+    row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
+    if layout.hidden_size <= 0 or row_bytes > layout.slot_bytes:
+        raise ProtocolError(f"Layout.hidden_size: {layout.hidden_size} rows do not fit slots of {layout.slot_bytes}")

@@ -40,6 +40,7 @@ import zmq
 from hscapture import protocol
 from hscapture.config import CaptureConfig, dtype_name
 from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError
+from hscapture.protocol import short_repr
 from hscapture.ring import Ring, create_ring
 from hscapture.transport import (
     announce_endpoint,
@@ -129,6 +130,7 @@ class Producer:
         self._request_drops: dict[str, int] = {}
         self._consumer_id: str | None = None  # attached: it confirmed our layout
         self._offered: str | None = None  # sent our layout, not confirmed yet
+        self._trusted: set[str] = set()  # consumer ids that presented the token: their releases count
         self._closed = False
         self._watchdog = watchdog
 
@@ -468,10 +470,10 @@ class Producer:
 
     def _on_release(self, message: protocol.Release) -> None:
         flight = self._in_flight.get(message.slot)
-        if message.consumer_id != self._consumer_id or flight is None or flight.seq != message.seq:
+        if message.consumer_id not in self._trusted or flight is None or flight.seq != message.seq:
             raise ProtocolError(
-                f"Release: slot {message.slot} seq {message.seq} from consumer {message.consumer_id!r} "
-                "does not match a slot in flight (stale or forged)"
+                f"Release: slot {short_repr(message.slot)} seq {short_repr(message.seq)} from consumer "
+                f"{short_repr(message.consumer_id)} does not match a slot in flight (stale or forged)"
             )
         del self._in_flight[message.slot]
         self._free.append(message.slot)
@@ -485,12 +487,13 @@ class Producer:
         """
         if not hmac.compare_digest(message.token.encode(), self.token.encode()):
             raise ProtocolError(
-                f"Hello: consumer {message.consumer_id!r} gave a wrong token; a stray process, or a consumer "
-                "of another run (tcp:// consumers need --token)"
+                f"Hello: consumer {short_repr(message.consumer_id)} gave a wrong token; a stray process, or a "
+                "consumer of another run (tcp:// consumers need --token)"
             )
+        self._trusted.add(message.consumer_id)
         if message.consumer_id == self._consumer_id:
             return  # heartbeat of the attached consumer
-        if message.consumer_id == self._offered and message.run_id == self.run_id:
+        if message.run_id == self.run_id:  # it holds our layout: it confirms (again, after an interloper)
             self._confirm(message.consumer_id)
             return
         config = self.config

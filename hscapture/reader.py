@@ -36,7 +36,7 @@ class Store:
             raise StoreError(f"{self.root}: no {META_FILE}; not an hscapture store (or nothing was captured yet)")
         self._meta: dict[str, Any] = json.loads(meta_path.read_text())
         self._runs: list[dict[str, Any]] = []
-        self._run_ends: dict[str, dict[str, Any]] = {}
+        open_runs: dict[str, dict[str, Any]] = {}  # a run line pairs with the next run_end of its run
         self._shards: dict[int, dict[str, Any]] = {}
         self._requests: dict[str, dict[str, Any]] = {}
         for record in read_index(self.root):
@@ -47,9 +47,13 @@ class Store:
                 self._requests.pop(record["id"], None)
                 self._requests[record["id"]] = record
             elif kind == "run":
+                record = {**record, "end": None}
                 self._runs.append(record)
+                open_runs[record["run_id"]] = record
             elif kind == "run_end":
-                self._run_ends[record["run_id"]] = record
+                session = open_runs.pop(record["run_id"], None)
+                if session is not None:
+                    session["end"] = record
         self.tensor_names: list[str] = [t["name"] for t in self._meta["tensors"]]
         self._open: OrderedDict[int, Any] = OrderedDict()
         self._max_open = max_open_shards
@@ -69,13 +73,14 @@ class Store:
 
     def metadata(self) -> dict[str, Any]:
         """What was captured (tensors and their exact meaning, dtype, width) and every run."""
-        runs = [{**run, "end": self._run_ends.get(run["run_id"])} for run in self._runs]
+        runs = [dict(run) for run in self._runs]
         return {**self._meta, "runs": runs}
 
     def summary(self) -> dict[str, Any]:
         """Counts for humans and scripts: requests, rows, shards, bytes, drops."""
         records = self._requests.values()
-        dropped = sum(int(end.get("counters", {}).get("rows_dropped", 0)) for end in self._run_ends.values())
+        ends = {run["run_id"]: run["end"] for run in self._runs if run["end"] is not None}  # the last per run
+        dropped = sum(int(end.get("counters", {}).get("rows_dropped", 0)) for end in ends.values())
         return {
             "requests": len(self._requests),
             "complete": sum(r["status"] == "complete" for r in records),

@@ -31,38 +31,50 @@ def recover_open_runs(root: Path, records: list[dict[str, Any]]) -> list[dict[st
         root: the store directory.
         records: its index lines, as :func:`hscapture.store.read_index` returns them.
     """
-    ended = {r["run_id"] for r in records if r["type"] == "run_end"}
-    open_runs = [r["run_id"] for r in records if r["type"] == "run" and r["run_id"] not in ended]
-    if not open_runs:
-        return []
-    recorded = {(r["run_id"], r["id"]) for r in records if r["type"] == "request"}
+    # One writer at a time appends to the index, so a session is the stretch of lines from its
+    # "run" line to its "run_end"; the same run can have several sessions (a consumer re-attached).
+    opened: dict[str, int] = {}
+    for position, record in enumerate(records):
+        if record["type"] == "run":
+            opened[record["run_id"]] = position
+        elif record["type"] == "run_end":
+            opened.pop(record["run_id"], None)
     found: dict[tuple[str, str], _Request] = {}
-    for shard in (r for r in records if r["type"] == "shard"):
-        path = root / shard_name(shard["id"])
-        try:
-            with safe_open(str(path), framework="np") as handle:
-                meta = handle.metadata() or {}
-                if meta.get("run_id") not in open_runs:
-                    continue
-                owners = handle.get_tensor("request_index")
-                positions = handle.get_tensor("positions")
-                request_ids = json.loads(meta["request_ids"])
-        except (OSError, KeyError, ValueError) as exc:
-            log.warning("%s: unreadable while recovering a dead consumer's run (%s); skipped", path, exc)
-            continue
-        for local, request_id in enumerate(request_ids):
-            key = (meta["run_id"], request_id)
-            if key in recorded:
-                continue
-            request = found.setdefault(key, _Request(meta["run_id"], end_reason=REASON))
-            rows = np.flatnonzero(owners == local)
-            for block in np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1):
-                if block.size:
-                    request.spans.append([shard["id"], int(block[0]), int(block.size)])
-                    request.rows += int(block.size)
-                    _add_runs(request.runs, positions[block])
+    for run_id, start in opened.items():
+        session = records[start + 1 :]
+        recorded = {r["id"] for r in session if r["type"] == "request"}
+        for shard in (r for r in session if r["type"] == "shard"):
+            _collect(root, shard["id"], run_id, recorded, found)
     lines = [_request_record(request_id, request) for (_, request_id), request in found.items()]
-    lines += [{"type": "run_end", "run_id": run, "reason": "consumer died", "counters": {}} for run in open_runs]
+    lines += [{"type": "run_end", "run_id": run, "reason": "consumer died", "counters": {}} for run in opened]
     if found:
-        log.warning("recovered %d requests of %d run(s) left open by a dead consumer", len(found), len(open_runs))
+        log.warning("recovered %d requests of %d run(s) left open by a dead consumer", len(found), len(opened))
     return lines
+
+
+def _collect(
+    root: Path, shard_id: int, run_id: str, recorded: set[str], found: dict[tuple[str, str], _Request]
+) -> None:
+    """Add the rows of one shard to every request of ``run_id`` that has no index line."""
+    path = root / shard_name(shard_id)
+    try:
+        with safe_open(str(path), framework="np") as handle:
+            meta = handle.metadata() or {}
+            if meta.get("run_id") != run_id:
+                return
+            owners = handle.get_tensor("request_index")
+            positions = handle.get_tensor("positions")
+            request_ids = json.loads(meta["request_ids"])
+    except (OSError, KeyError, ValueError) as exc:
+        log.warning("%s: unreadable while recovering a dead consumer's run (%s); skipped", path, exc)
+        return
+    for local, request_id in enumerate(request_ids):
+        if request_id in recorded:
+            continue
+        request = found.setdefault((run_id, request_id), _Request(run_id, end_reason=REASON))
+        rows = np.flatnonzero(owners == local)
+        for block in np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1):
+            if block.size:
+                request.spans.append([shard_id, int(block[0]), int(block.size)])
+                request.rows += int(block.size)
+                _add_runs(request.runs, positions[block])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from hscapture.errors import ProtocolError
+from hscapture.protocol import short_repr
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +57,14 @@ class Ring(ABC):
 
 
 class RingReader(ABC):
-    """Consumer side: opened once per run from :meth:`Ring.describe`.
+    """Consumer side: opened once per run from :meth:`Ring.describe`; ``nbytes`` is its size.
 
     Per chunk the consumer calls ``begin(slot)``, then ``copy_into`` for each piece it
     wants (copies may run asynchronously), then ``mark()``; the slot may be released once
     ``done(token)`` says the copies finished. ``complete()`` waits for every copy issued.
     """
+
+    nbytes: int
 
     def begin(self, slot: int) -> None:  # noqa: B027 - only the CUDA ring has producer writes to wait for
         """Order the copies that follow after the producer's writes to ``slot``."""
@@ -143,15 +147,19 @@ class HostRingReader(RingReader):
         path = Path(str(description.get("path", "")))
         nbytes = description.get("nbytes")
         if path.parent != SHM_DIR or not path.name.startswith("hscapture-") or not isinstance(nbytes, int):
-            raise ProtocolError(f"Layout.ring: not a host ring description: {description!r}")
-        try:
-            fd = os.open(path, os.O_RDONLY)
+            raise ProtocolError(f"Layout.ring: not a host ring description: {short_repr(description)}")
+        if nbytes <= 0:
+            raise ProtocolError(f"Layout.ring.nbytes: {nbytes} is not a ring size")
+        try:  # never follow a link out of /dev/shm, never block on a FIFO
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as exc:
             raise ProtocolError(f"Layout.ring: cannot open {path} ({exc.strerror}); is the producer alive?") from None
         try:
-            size = os.fstat(fd).st_size
-            if size != nbytes:
-                raise ProtocolError(f"Layout.ring: {path} has {size} bytes, the layout says {nbytes}")
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                raise ProtocolError(f"Layout.ring: {path} is not a ring file of this user")
+            if info.st_size != nbytes:
+                raise ProtocolError(f"Layout.ring: {path} has {info.st_size} bytes, the layout says {nbytes}")
             self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
         finally:
             os.close(fd)

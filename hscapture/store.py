@@ -11,11 +11,13 @@ So a crash at any moment leaves an index that lists only complete shards and req
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import logging
 import os
 import queue
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +40,8 @@ STORE_VERSION = 1
 INDEX_FILE = "index.jsonl"
 META_FILE = "meta.json"
 LOCK_FILE = ".lock"
+#: What a failed write leaves, said in every such error.
+_KEPT = "what the index lists is intact; free space (or fix the disk) and run again to continue"
 
 
 def shard_name(shard_id: int) -> str:
@@ -181,11 +185,16 @@ class StoreWriter:
         self.flush_s = flush_s
         self._repair_index()
         records = read_index(self.root)
-        self._next_shard = 1 + max((r["id"] for r in records if r["type"] == "shard"), default=-1)
+        self._indexed = {r["id"] for r in records if r["type"] == "shard"}
+        self._next_shard = 1 + max(self._indexed, default=-1)
         for stale in self.root.glob("*.tmp"):
             stale.unlink()
         self._meta = self._load_meta()
         self._index = (self.root / INDEX_FILE).open("ab")
+        from hscapture.recovery import recover_open_runs  # recovery builds on this module
+
+        for line in recover_open_runs(self.root, records):
+            self._append(line)
         self._pool = ThreadPoolExecutor(writer_threads, thread_name_prefix="hscapture-writer")
         self._buffers: queue.Queue[_ShardBuffer] = queue.Queue()
         self._buffers_made = 0
@@ -403,22 +412,25 @@ class StoreWriter:
             del self._pending[shard_id]
             error = future.exception()
             if error is not None:
-                raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}") from error
+                raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {_KEPT}") from error
             self._append(future.result())
-        open_id = None if self._shard is None else self._shard.shard_id
+            self._indexed.add(shard_id)
         for request_id, request in list(self._requests.items()):
             if request.finished is None and not request.end_reason:
                 continue
-            if any(s[0] == open_id or s[0] in self._pending for s in request.spans):
-                continue
+            if not all(s[0] in self._indexed for s in request.spans):
+                continue  # a shard still being written (or whose write failed: then never)
             del self._requests[request_id]
             self._append(_request_record(request_id, request))
             self.requests_written += 1
 
     def _append(self, record: dict[str, Any]) -> None:
-        self._index.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-        self._index.flush()
-        os.fsync(self._index.fileno())
+        try:
+            self._index.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+            self._index.flush()
+            os.fsync(self._index.fileno())
+        except OSError as exc:  # a torn line is cut by the next writer; everything before it stands
+            raise StoreError(f"{self.root / INDEX_FILE}: append failed ({exc.strerror}); {_KEPT}") from None
 
     def _load_meta(self) -> dict[str, Any] | None:
         path = self.root / META_FILE
@@ -488,9 +500,88 @@ def _write_shard_file(root: Path, shard: _OpenShard, run: _RunSpec) -> dict[str,
         "request_ids": json.dumps(list(shard.request_lookup)),
     }
     data = safetensors.torch.save(tensors, metadata=metadata)
+    crc32, tensor_crc32 = shard_checksums(data)  # of the bytes about to be written, while they are in memory
     path = root / shard_name(shard.shard_id)
     write_atomic(path, data)
-    return {"type": "shard", "id": shard.shard_id, "file": path.name, "rows": n, "bytes": len(data)}
+    return {
+        "type": "shard",
+        "id": shard.shard_id,
+        "file": path.name,
+        "rows": n,
+        "bytes": len(data),
+        "crc32": crc32,
+        "tensor_crc32": tensor_crc32,
+    }
+
+
+def shard_checksums(data: bytes) -> tuple[str, dict[str, str]]:
+    """CRC-32 of a serialized shard and of each tensor's data bytes, as 8 lowercase hex digits.
+
+    One pass over ``data``: each tensor's CRC is computed on its own slice (a memoryview, no
+    copy) and folded into the whole-file CRC with :func:`crc32_combine`; the header and any
+    bytes between tensors are fed to the whole-file CRC directly. Tensors are listed in file order.
+    """
+    view = memoryview(data)
+    header_len = int.from_bytes(view[:8], "little")
+    header = json.loads(bytes(view[8 : 8 + header_len]))
+    base = 8 + header_len
+    entries = sorted(
+        ((name, entry["data_offsets"]) for name, entry in header.items() if name != "__metadata__"),
+        key=lambda item: item[1],
+    )
+    whole, at = zlib.crc32(view[:base]), base
+    tensor_crc32 = {}
+    for name, (begin, end) in entries:
+        begin, end = base + begin, base + end
+        if begin > at:
+            whole = zlib.crc32(view[at:begin], whole)
+        crc = zlib.crc32(view[begin:end])
+        tensor_crc32[name] = f"{crc:08x}"
+        whole, at = crc32_combine(whole, crc, end - begin), end
+    if at < len(view):
+        whole = zlib.crc32(view[at:], whole)
+    return f"{whole:08x}", tensor_crc32
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """``zlib.crc32(a + b)`` from ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)`` and ``len2 = len(b)``.
+
+    zlib's ``crc32_combine`` (not exposed by Python): advance ``crc1`` over ``len2`` zero bytes
+    with precomputed GF(2) operators, one per set bit of ``len2``, then xor ``crc2``. About 50 us.
+    """
+    power = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_crc32_zeros_operator(power), crc1)
+        len2 >>= 1
+        power += 1
+    return crc1 ^ crc2
+
+
+@functools.cache
+def _crc32_zeros_operator(power: int) -> tuple[int, ...]:
+    """The 32x32 GF(2) matrix (one int per column) that advances a CRC-32 over ``2**power`` zero bytes."""
+    if power == 0:
+        matrix: tuple[int, ...] = (0xEDB88320, *(1 << k for k in range(31)))  # one zero bit
+        for _ in range(3):  # 2, 4, 8 bits
+            matrix = _gf2_square(matrix)
+        return matrix
+    return _gf2_square(_crc32_zeros_operator(power - 1))
+
+
+def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
+    total = 0
+    for column in matrix:
+        if not vector:
+            break
+        if vector & 1:
+            total ^= column
+        vector >>= 1
+    return total
+
+
+def _gf2_square(matrix: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_gf2_times(matrix, column) for column in matrix)
 
 
 def _add_runs(runs: list[list[int]], positions: np.ndarray) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -108,9 +109,26 @@ EXPECTED_HEADER = {
     "last": {"dtype": "BF16", "shape": [7, 4], "data_offsets": [140, 196]},
     "layer_1": {"dtype": "BF16", "shape": [7, 4], "data_offsets": [196, 252]},
 }
+# CRC-32 (zlib.crc32) of each tensor's data bytes, in file order. The whole-file ``crc32`` is not
+# golden: safetensors writes ``__metadata__`` keys in hash order, which changes between processes,
+# so it is checked against zlib.crc32 of the file instead (pop_file_crc32).
+EXPECTED_TENSOR_CRC32 = {
+    "positions": "8279f597",
+    "token_ids": "aef2b211",
+    "request_index": "7917aa89",
+    "last": "e2ce5567",
+    "layer_1": "c6fe9d41",
+}
 EXPECTED_INDEX = [
     {"type": "run", "run_id": "run-golden", "meta": {"engine": "golden", "model": "none"}},
-    {"type": "shard", "id": 0, "file": "shard-000000.safetensors", "rows": 7, "bytes": EXPECTED_SHARD_BYTES},
+    {
+        "type": "shard",
+        "id": 0,
+        "file": "shard-000000.safetensors",
+        "rows": 7,
+        "bytes": EXPECTED_SHARD_BYTES,
+        "tensor_crc32": EXPECTED_TENSOR_CRC32,
+    },
     EXPECTED_REQ_A,
     EXPECTED_REQ_B,
     EXPECTED_RUN_END,
@@ -220,6 +238,14 @@ def index_records(root: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in index_lines(root)]
 
 
+def pop_file_crc32(root: Path, records: list[dict[str, Any]]) -> None:
+    """Each shard line's ``crc32`` is zlib.crc32 of its file's bytes, as 8 lowercase hex digits; removed."""
+    for record in records:
+        if record["type"] == "shard":
+            crc = record.pop("crc32")
+            assert crc == f"{zlib.crc32((root / record['file']).read_bytes()):08x}", record["file"]
+
+
 def parse_header(data: bytes) -> tuple[int, dict[str, Any]]:
     """(N, header) of safetensors bytes: a little-endian u64 N, then N bytes of JSON."""
     (length,) = struct.unpack("<Q", data[:8])
@@ -256,6 +282,7 @@ def test_meta_json_is_written_when_the_first_run_begins(tmp_path: Path) -> None:
 def test_index_lines_are_exactly_the_golden_records(store: Path) -> None:
     records = index_records(store)
     run_time = records[0].pop("time")
+    pop_file_crc32(store, records)
     assert records == EXPECTED_INDEX
     assert isinstance(run_time, float) and 1.7e9 < run_time < 4e9, "run time is unix seconds"
 
@@ -270,11 +297,33 @@ def test_index_lines_stay_golden_with_rows_split_over_three_shards(tmp_path: Pat
     root = write_golden(tmp_path, shard_bytes=THREE_ROWS)
     records = index_records(root)
     records[0].pop("time")
+    pop_file_crc32(root, records)
     shards = [
         {"type": "shard", "id": 0, "file": "shard-000000.safetensors", "rows": 3, "bytes": 548},
         {"type": "shard", "id": 1, "file": "shard-000001.safetensors", "rows": 3, "bytes": 548},
         {"type": "shard", "id": 2, "file": "shard-000002.safetensors", "rows": 1, "bytes": 468},
     ]
+    shards[0]["tensor_crc32"] = {
+        "positions": "4f8c5ccc",
+        "token_ids": "4751a91d",
+        "request_index": "7bd5c66f",
+        "last": "acb49535",
+        "layer_1": "c1b09fdf",
+    }
+    shards[1]["tensor_crc32"] = {
+        "positions": "37756396",
+        "token_ids": "26ce8834",
+        "request_index": "7bd5c66f",  # all zeros (3 x int32), as in shard 0
+        "last": "cb46ba83",
+        "layer_1": "4959eeef",
+    }
+    shards[2]["tensor_crc32"] = {
+        "positions": "ebadd88a",
+        "token_ids": "bf0c76cb",
+        "request_index": "2144df1c",
+        "last": "0d320e93",
+        "layer_1": "9f2082e7",
+    }
     expected = [
         EXPECTED_INDEX[0],
         *shards,
