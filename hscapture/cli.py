@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--exit-on-eos", action="store_true", help="exit at the producer's end of stream")
     con.add_argument("--delay-ms", type=float, default=0.0, help="sleep per chunk (simulate a slow consumer)")
     con.add_argument("--watch-pid", type=int, help="finish and exit when this process is gone")
+    con.add_argument("--token", help="the producer's token (default: read beside an ipc:// endpoint)")
     con.add_argument("--discard", action="store_true", help="copy out and release but write nothing (benchmarks)")
     con.add_argument("--quiet", action="store_true", help="print nothing but warnings")
 
@@ -165,6 +166,7 @@ def _consume(args: argparse.Namespace) -> int:
         delay_ms=args.delay_ms,
         watch_pid=args.watch_pid,
         discard=args.discard,
+        token=args.token,
     )
     consumer = Consumer(config)
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -18,9 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from hscapture import Producer, open_store
 from hscapture.tiny import write_demo_jsonl
+from hscapture.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.test_pipeline import check_store
 from tests.workload import Workload, make_config, make_producer
@@ -38,12 +40,22 @@ def serve(producer: Producer, workload: Workload, seconds: float, stalls: list[f
         time.sleep(0.002)
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")],
+        ),
+    ],
+)
 def test_consumer_killed_twenty_times_never_stalls_serving_and_the_store_never_lies(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
 ) -> None:
     rng = random.Random(11)
-    producer = make_producer(make_config(endpoint, policy="drop", slots=8, rows_per_slot=32))
-    workload = Workload(seed=11)
+    producer = make_producer(make_config(endpoint, policy="drop", slots=8, rows_per_slot=32, device=device))
+    workload = Workload(seed=11, device=device)
     stalls: list[float] = []
     for trial in range(20):
         consumer = start_consumer(tmp_path, endpoint, "--flush-s", "0.1", "--shard-bytes", "16000")
@@ -74,6 +86,8 @@ def test_consumer_killed_twenty_times_never_stalls_serving_and_the_store_never_l
             assert record["rows"] == len(workload.requests[rid].rows)
     recovered = [r for r in records.values() if "consumer died" in r["reason"]]
     assert recovered, "no request of a killed consumer's durable shards was recovered"
+    report = verify_store(tmp_path)
+    assert report.ok, report.to_dict()
     ends = [run["end"] for run in open_store(tmp_path).metadata()["runs"]]
     assert all(end is not None for end in ends), "a run was left open"
     assert sum(end["reason"] == "consumer died" for end in ends) == 20
@@ -81,7 +95,8 @@ def test_consumer_killed_twenty_times_never_stalls_serving_and_the_store_never_l
     longest = max(stalls)
     p99 = sorted(stalls)[int(len(stalls) * 0.99)]
     print(
-        f"\nRELIABILITY consumer SIGKILL: 20 trials, {len(stalls)} steps, rows produced {workload.total_rows}, "
+        f"\nRELIABILITY consumer SIGKILL ({device}): 20 trials, {len(stalls)} steps, "
+        f"rows produced {workload.total_rows}, "
         f"announced {counters.rows_captured}, dropped {counters.rows_dropped} (counted), stored {stored}, "
         f"lost in killed consumers' memory {counters.rows_captured - stored}, step p99 {p99 * 1000:.2f} ms, "
         f"longest step {longest * 1000:.1f} ms"
