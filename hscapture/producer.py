@@ -364,6 +364,8 @@ class Producer:
             if state.dtype != config.torch_dtype:
                 raise ValueError(f"states[{name}]: planned dtype {config.dtype}, got {dtype_name(state.dtype)}")
         rows = first.shape[0] if row_index is None else row_index.numel()
+        if any(n <= 0 for n in request_rows):
+            raise ValueError(f"request_rows: every request owns at least one row, got {list(request_rows)[:16]}")
         if len(request_ids) != len(request_rows) or sum(request_rows) != rows:
             raise ValueError(
                 f"request_rows: {len(request_ids)} request ids with rows summing to {sum(request_rows)}, "
@@ -569,6 +571,8 @@ class NullProducer:
 
 def _spans(request_ids: Sequence[str], starts: list[int], begin: int, end: int) -> tuple[list[str], list[int]]:
     """Request ids and row counts covering kept rows ``[begin, end)``; ``starts`` are cumulative."""
+    if begin == 0 and end == starts[-1]:  # the whole step in one chunk: the usual decode case
+        return list(request_ids), [b - a for a, b in itertools.pairwise(starts)]
     first = bisect.bisect_right(starts, begin) - 1
     ids: list[str] = []
     counts: list[int] = []
