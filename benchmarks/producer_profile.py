@@ -31,6 +31,11 @@ from hscapture import CaptureConfig, Producer
 RESULTS = Path(__file__).parent / "results"
 
 
+def _git_head() -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
@@ -86,8 +91,7 @@ def main() -> None:
     record = {
         "benchmark": "producer_profile",
         "command": " ".join(["python", *sys.argv]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        or os.environ.get("HSCAPTURE_COMMIT", "unknown"),
+        "commit": os.environ.get("HSCAPTURE_COMMIT") or _git_head(),
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
         "requests": args.requests,
         "hidden": args.hidden,
