@@ -35,6 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hscapture import CaptureConfig, NullProducer, Producer
+from hscapture.consumer import consume_command
 from hscapture.integrations.hf import HFCapture, describe, eagle3_default_layers, greedy_generate
 from hscapture.tiny import demo_conversations, ensure_tiny_model
 
@@ -81,8 +82,7 @@ class TolistBaseline:
 
 
 def start_consumer(endpoint: str, out: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "hscapture", "consume", "--endpoint", endpoint, "--out", str(out)]
-    return subprocess.Popen([*command, "--exit-on-eos", "--quiet"])
+    return subprocess.Popen(consume_command(endpoint, out, "--exit-on-eos", "--quiet"))
 
 
 def attach(producer: Producer) -> None:

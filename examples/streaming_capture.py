@@ -14,13 +14,13 @@ production you start the consumer yourself, in another terminal or service:
 import argparse
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hscapture import CaptureConfig, Producer, open_store
+from hscapture.consumer import consume_command
 from hscapture.integrations.hf import HFCapture, describe, greedy_generate
 from hscapture.tiny import demo_conversations, ensure_tiny_model
 
@@ -44,20 +44,7 @@ config = CaptureConfig(
     endpoint=endpoint,
     max_step_rows=4096,
 )
-consumer = subprocess.Popen(
-    [
-        sys.executable,
-        "-m",
-        "hscapture",
-        "consume",
-        "--endpoint",
-        endpoint,
-        "--out",
-        str(args.out),
-        "--exit-on-eos",
-        "--quiet",
-    ]
-)
+consumer = subprocess.Popen(consume_command(endpoint, args.out, "--exit-on-eos", "--quiet"))
 producer = Producer(config, tensor_descriptions=describe(layers, True), meta={"engine": "hf-greedy-loop"})
 while not producer.attached:  # a real server would just start serving; here we want every row
     producer.poll()

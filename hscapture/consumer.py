@@ -13,10 +13,12 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -294,3 +296,9 @@ def _check_layout(layout: protocol.Layout) -> None:
     row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
     if layout.hidden_size <= 0 or row_bytes > layout.slot_bytes:
         raise ProtocolError(f"Layout.hidden_size: {layout.hidden_size} rows do not fit slots of {layout.slot_bytes}")
+
+
+def consume_command(endpoint: str, out: Path | None, *options: str) -> list[str]:
+    """The ``hscapture consume`` command line in this interpreter, for starting a consumer process."""
+    command = [sys.executable, "-m", "hscapture", "consume", "--endpoint", endpoint]
+    return [*command, *(["--out", str(out)] if out is not None else []), *options]

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from hscapture.config import DTYPES, CaptureConfig, MiB, dtype_name, ensure_writable_dir
+from hscapture.consumer import consume_command
 from hscapture.data import Sample, load_samples, pad_batch, plan_batches
 from hscapture.errors import HSCaptureError
 from hscapture.integrations.hf import HFCapture, describe, eagle3_default_layers
@@ -160,25 +161,12 @@ def run_batch(capture: HFCapture, producer: Producer, model: Any, batch: list[Sa
 
 def start_consumer(endpoint: str, options: ExtractOptions) -> subprocess.Popen:
     """``hscapture consume`` in its own process, exiting at our end of stream or when we die."""
-    command = [
-        sys.executable,
-        "-m",
-        "hscapture",
-        "consume",
-        "--endpoint",
+    command = consume_command(
         endpoint,
-        "--out",
-        str(options.out),
-        "--shard-bytes",
-        str(options.shard_bytes),
-        "--writer-threads",
-        str(options.writer_threads),
-        "--exit-on-eos",
-        "--watch-pid",
-        str(os.getpid()),
-        "--quiet",
-        *options.consumer_args,
-    ]
+        options.out,
+        *("--shard-bytes", str(options.shard_bytes), "--writer-threads", str(options.writer_threads)),
+        *("--exit-on-eos", "--watch-pid", str(os.getpid()), "--quiet", *options.consumer_args),
+    )
     return subprocess.Popen(command)
 
 

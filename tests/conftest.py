@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hscapture.consumer import consume_command
 from hscapture.producer import Producer
 
 
@@ -35,8 +35,7 @@ def start_consumer() -> Iterator[ConsumerFactory]:
     started: list[subprocess.Popen] = []
 
     def start(out: Path, endpoint: str, *extra: str) -> subprocess.Popen:
-        command = [sys.executable, "-m", "hscapture", "consume", "--out", str(out), "--endpoint", endpoint]
-        process = subprocess.Popen([*command, "--quiet", "--heartbeat-ms", "50", *extra])
+        process = subprocess.Popen(consume_command(endpoint, out, "--quiet", "--heartbeat-ms", "50", *extra))
         started.append(process)
         return process
 
