@@ -150,6 +150,9 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.01)
     args = parser.parse_args()
     producer = make_producer(make_config(args.endpoint, policy="drop"))
+    while not producer.attached:  # steps printed before then would race the consumer's start-up
+        producer.poll()
+        time.sleep(0.01)
     workload = Workload(args.seed, args.prefix)
     for _ in range(args.steps):
         workload.step(producer)
