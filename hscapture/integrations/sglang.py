@@ -1,0 +1,317 @@
+"""SGLang integration: a general plugin that captures from inside SGLang's scheduler process.
+
+SGLang loads every entry point of the ``sglang.srt.plugins`` group in each of its processes
+(``srt/plugins/__init__.py:load_plugins``). This one is inert unless :data:`ENV` holds capture
+settings; then it registers three hooks through SGLang's ``HookRegistry`` (no source edits):
+
+* AFTER ``TpModelWorker.forward_batch_generation``: the forward output and the batch's
+  requests meet here. With ``--enable-return-aux-hidden-states --speculative-algorithm EAGLE3``
+  SGLang keeps, for every token of every batch, the concatenated aux states
+  (``logits_output.hidden_states``) and the post-norm last layer (``.last_hidden_states``),
+  inside CUDA graphs too; after a graph replay both are views the next replay overwrites, so
+  the producer copies them into its ring at once (a device copy, no host sync).
+* AFTER ``Scheduler.process_batch_result``: requests that finished, aborted or were retracted.
+* AROUND ``Scheduler.handle_rpc_request``: ``Engine.collective_rpc(CLOSE_RPC)`` closes the
+  producer cleanly (end of stream) before an offline engine shuts down.
+
+Rows are attributed from the ``ScheduleBatch``: extend and mixed batches hold contiguous
+blocks of ``extend_lens[i]`` rows at positions ``prefix_lens[i] + j``; decode batches one row
+per request at ``seq_lens[i] - 1``. Token ids are the batch's own ``input_ids``. A position a
+request already sent (re-prefill after a retraction) is not sent again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from hscapture.config import CaptureConfig, MiB, dtype_name
+
+log = logging.getLogger(__name__)
+
+#: Environment variable holding :class:`PluginSettings` as JSON; unset = the plugin is inert.
+ENV = "HSCAPTURE_SGLANG"
+#: ``Engine.collective_rpc`` method name that closes the producer (end of stream).
+CLOSE_RPC = "hscapture_close"
+#: ``sampling_params["custom_params"]`` key: flat ``[start, end, start, end, ...]`` loss mask.
+LOSS_MASK_PARAM = "hscapture_loss_mask"
+
+_FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
+_BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+_RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+
+
+def server_args(layer_ids: Sequence[int] | None = None) -> list[str]:
+    """SGLang server flags that make the target model keep the states we capture."""
+    args = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
+    if layer_ids is not None:
+        args += ["--return-aux-hidden-state-layer-ids", *map(str, layer_ids)]
+    return args
+
+
+def engine_kwargs(layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """The same as :func:`server_args`, as ``sglang.Engine`` keyword arguments."""
+    kwargs: dict[str, Any] = {"enable_return_aux_hidden_states": True, "speculative_algorithm": "EAGLE3"}
+    if layer_ids is not None:
+        kwargs["return_aux_hidden_state_layer_ids"] = list(layer_ids)
+    return kwargs
+
+
+@dataclass
+class PluginSettings:
+    """What the plugin needs to know, passed to SGLang's processes through :data:`ENV`."""
+
+    #: Base ZeroMQ endpoint; with attention data parallelism each DP group appends ``-dp<rank>``.
+    endpoint: str
+    #: Also capture the post-norm last layer beside the aux layers.
+    capture_last: bool = True
+    #: ``drop`` (serving never waits) or ``block`` (nothing lost: offline extraction).
+    policy: str = "drop"
+    slot_bytes: int = 4 * MiB
+    #: Ring bytes; None sizes it for two of the engine's largest steps.
+    ring_bytes: int | None = None
+    block_timeout_s: float = 120.0
+    #: Facts stored with the run (model path, launcher, ...).
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, raw: str) -> PluginSettings:
+        try:
+            values = json.loads(raw)
+            return cls(**values)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{ENV}: not valid capture settings ({exc}); it must be PluginSettings JSON") from exc
+
+
+def endpoint_for(base: str, dp_rank: int, dp_size: int) -> str:
+    """One stream per attention-DP group; plain TP has a single one."""
+    return base if dp_size <= 1 else f"{base}-dp{dp_rank}"
+
+
+def load_plugin() -> None:
+    """Entry point (``sglang.srt.plugins``): register the hooks when capture is switched on."""
+    raw = os.environ.get(ENV)
+    if not raw:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    capture = SGLangCapture(PluginSettings.from_env(raw))
+    HookRegistry.register(_FORWARD, capture.after_forward, HookType.AFTER)
+    HookRegistry.register(_BATCH_RESULT, capture.after_batch_result, HookType.AFTER)
+    HookRegistry.register(_RPC, capture.around_rpc, HookType.AROUND)
+
+
+def _parallel() -> Any:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel()
+
+
+class SGLangCapture:
+    """Per scheduler process: turns SGLang batches into ``Producer`` calls."""
+
+    def __init__(self, settings: PluginSettings) -> None:
+        self.settings = settings
+        self.producer: Any = None
+        self.enabled = True
+        #: Next position each running request has not sent yet (skips re-prefilled rows).
+        self.sent_upto: dict[str, int] = {}
+        self.retractions: dict[str, int] = {}
+
+    # --- hooks -------------------------------------------------------------------------
+
+    def after_forward(self, result: Any, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
+        if not self.enabled or batch is None or kwargs.get("is_verify") or not batch.reqs:
+            return
+        output = getattr(result, "logits_output", None)
+        if output is None or batch.forward_mode.is_idle():
+            return
+        try:
+            self._capture(worker, batch, output)
+        except Exception:  # capture must never take serving down: log, stop capturing, serve on
+            log.exception("hscapture: capture failed; capture is now off for this process, serving goes on")
+            self._shut("capture failed")
+
+    def after_batch_result(self, result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+        if self.producer is None or not self.enabled:
+            return
+        try:
+            for req in batch.reqs:
+                if req.rid not in self.sent_upto:
+                    continue
+                if req.is_retracted:
+                    self.retractions[req.rid] = req.retraction_count
+                elif req.finished():
+                    self._finish(req)
+            self.producer.poll()
+        except Exception:
+            log.exception("hscapture: finishing requests failed; capture is now off for this process")
+            self._shut("capture failed")
+
+    def around_rpc(self, original: Any, scheduler: Any, request: Any) -> Any:
+        if getattr(request, "method", None) != CLOSE_RPC:
+            return original(scheduler, request)
+        from sglang.srt.managers.io_struct import RpcReqOutput
+
+        self._shut("closed by the engine")
+        return RpcReqOutput(success=True, message="")
+
+    # --- work ---------------------------------------------------------------------------
+
+    def _capture(self, worker: Any, batch: Any, output: Any) -> None:
+        aux, last = output.hidden_states, output.last_hidden_states
+        if aux is None:
+            raise RuntimeError(
+                "SGLang returned no aux hidden states: start it with " + " ".join(server_args()) + " (hscapture serve "
+                "and hscapture extract --engine sglang add them)"
+            )
+        producer = self.producer if self.producer is not None else self._start(worker, aux, last)
+        if producer is None:
+            return
+        rids, counts, positions, keep = self._rows(batch)
+        states = list(aux.view(aux.shape[0], -1, self.hidden).unbind(1))
+        if self.settings.capture_last:
+            states.append(last)
+        rows = sum(counts)
+        if aux.shape[0] != sum(len(p) for p in positions):
+            raise RuntimeError(
+                f"batch of {len(batch.reqs)} requests ({batch.forward_mode.name}) has "
+                f"{sum(len(p) for p in positions)} tokens but SGLang returned {aux.shape[0]} hidden-state rows"
+            )
+        if rows == 0:
+            return
+        tokens = batch.input_ids
+        flat_positions = torch.cat([torch.as_tensor(p, dtype=torch.int64) for p in positions])
+        row_index = None
+        if keep is not None:
+            row_index = torch.as_tensor(keep, dtype=torch.int64)
+            flat_positions, tokens = flat_positions[row_index], tokens[row_index.to(tokens.device)]
+            row_index = row_index.to(aux.device, non_blocking=True)
+        producer.capture_step(states, rids, counts, flat_positions, tokens, row_index=row_index)
+
+    def _rows(self, batch: Any) -> tuple[list[str], list[int], list[list[int]], list[int] | None]:
+        """Owners, kept-row counts, per-request positions and (if any row is skipped) kept indices."""
+        if batch.forward_mode.is_decode():
+            starts = [int(n) - 1 for n in batch.seq_lens_cpu.tolist()]
+            lengths = [1] * len(batch.reqs)
+        else:
+            starts, lengths = list(batch.prefix_lens), list(batch.extend_lens)
+        rids, counts, positions, keep = [], [], [], []
+        skipped, at = False, 0
+        for req, start, length in zip(batch.reqs, starts, lengths):
+            span = list(range(start, start + length))
+            upto = self.sent_upto.get(req.rid, 0)
+            fresh = [i for i, p in enumerate(span) if p >= upto]
+            positions.append(span)
+            if len(fresh) != length:
+                skipped = True
+            if fresh:
+                rids.append(req.rid)
+                counts.append(len(fresh))
+                keep.extend(at + i for i in fresh)
+                self.sent_upto[req.rid] = start + length
+            else:
+                self.sent_upto.setdefault(req.rid, upto)
+            at += length
+        return rids, counts, positions, keep if skipped else None
+
+    def _finish(self, req: Any) -> None:
+        num_tokens = len(req.origin_input_ids) + len(req.output_ids) - 1
+        reason = "aborted" if type(req.finished_reason).__name__ == "FINISH_ABORT" else "finished"
+        params = getattr(req.sampling_params, "custom_params", None) or {}
+        flat = params.get(LOSS_MASK_PARAM)
+        if flat is not None:
+            loss_mask = [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+        elif len(req.output_ids) > 1:
+            loss_mask = [(len(req.origin_input_ids), num_tokens)]
+        else:
+            loss_mask = []
+        finish = req.finished_reason.to_json() if req.finished_reason is not None else None
+        meta = {
+            "prompt_tokens": len(req.origin_input_ids),
+            "output_tokens": len(req.output_ids),
+            "finish_reason": finish,
+            "retractions": self.retractions.pop(req.rid, 0),
+        }
+        self.producer.finish_request(req.rid, reason, num_tokens=num_tokens, loss_mask=loss_mask, meta=meta)
+        self.sent_upto.pop(req.rid, None)
+
+    def _start(self, worker: Any, aux: torch.Tensor, last: torch.Tensor | None) -> Any:
+        """Create the producer at the first forward, when the model's shapes are known."""
+        from hscapture.producer import Producer
+
+        parallel = _parallel()
+        if int(getattr(parallel, "pp_size", 1)) > 1:
+            raise RuntimeError("hscapture cannot capture with pipeline parallelism (--pp-size > 1); use TP or DP")
+        if int(getattr(parallel, "attn_tp_rank", 0)) != 0:  # TP ranks hold identical states: rank 0 publishes
+            self.enabled = False
+            return None
+        model = worker.model_runner.model
+        captured = list(getattr(model.model, "layers_to_capture", []))
+        self.hidden = aux.shape[1] // max(1, len(captured))
+        if not captured or self.hidden * len(captured) != aux.shape[1]:
+            raise RuntimeError(f"cannot split aux states of width {aux.shape[1]} into layers {captured}")
+        if self.settings.capture_last and last is None:
+            raise RuntimeError("SGLang returned no last_hidden_states; set capture_last false or update SGLang")
+        dp_rank, dp_size = int(getattr(parallel, "attn_dp_rank", 0)), int(getattr(parallel, "attn_dp_size", 1))
+        num_layers = worker.model_runner.model_config.num_hidden_layers
+        max_rows = int(getattr(worker, "max_num_tokens", 0) or 8192)
+        config = CaptureConfig(
+            layers=tuple(captured),
+            hidden_size=self.hidden,
+            num_layers=num_layers,
+            capture_last=self.settings.capture_last,
+            dtype=dtype_name(aux.dtype),
+            slot_bytes=self.settings.slot_bytes,
+            ring_bytes=self.settings.ring_bytes,
+            max_step_rows=max_rows,
+            policy=self.settings.policy,  # type: ignore[arg-type]
+            endpoint=endpoint_for(self.settings.endpoint, dp_rank, dp_size),
+            device="cpu" if aux.device.type == "cpu" else str(aux.device),
+            block_timeout_s=self.settings.block_timeout_s,
+        )
+        import sglang
+
+        meta = {
+            "engine": "sglang",
+            "sglang_version": sglang.__version__,
+            "model": str(worker.model_runner.model_config.model_path),
+            "architecture": type(model).__name__,
+            "sglang_layers_to_capture": captured,
+            "dp_rank": dp_rank,
+            "dp_size": dp_size,
+            **self.settings.meta,
+        }
+        self.producer = Producer(config, tensor_descriptions=describe(captured, self.settings.capture_last), meta=meta)
+        log.info("hscapture: capturing layers %s (+last=%s) to %s", captured, config.capture_last, config.endpoint)
+        return self.producer
+
+    def _shut(self, why: str) -> None:
+        self.enabled = False
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            try:
+                producer.close()
+            except Exception:
+                log.exception("hscapture: closing the producer (%s) failed", why)
+
+
+def describe(captured: Sequence[int], capture_last: bool) -> list[str]:
+    """What each stored tensor is, in SGLang's words and hscapture's."""
+    out = [
+        f"residual stream entering decoder layer {k} (hidden + residual before its input norm); "
+        f"SGLang layers_to_capture {k} (EAGLE-3 aux id {k - 1} for Llama), HF output_hidden_states[{k}]"
+        for k in captured
+    ]
+    if capture_last:
+        out.append("final hidden state after the model's last norm (SGLang last_hidden_states, LM head input)")
+    return out
