@@ -309,27 +309,78 @@ def _build_tokenizer(out_dir: Path) -> Any:
     return tokenizer
 
 
-def _build_model(out_dir: Path, tokenizer: Any) -> None:
-    """Random-init the Llama model from seed 0 and save it as bfloat16 safetensors."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+#: Tiny DeepSeek-V2 (MLA attention + MoE), the family of the DeepSeek and Kimi models; shapes SGLang's CPU path accepts.
+DEEPSEEK_SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "max_position_embeddings": 2048,
+}
+#: config.json entries SGLang's CPU DeepSeek path needs that transformers does not write.
+_DEEPSEEK_CONFIG_EXTRA: dict[str, Any] = {
+    "rope_scaling": {
+        "type": "yarn",
+        "rope_type": "yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": 2048,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0,
+    },
+    "moe_layer_freq": 1,
+    "scoring_func": "softmax",
+}
+ARCHITECTURES = ("llama", "deepseek_v2")
 
-    config = LlamaConfig(
+
+def _build_model(out_dir: Path, tokenizer: Any, architecture: str = "llama") -> None:
+    """Random-init the model from seed 0 and save it as bfloat16 safetensors."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config_class, model_class, shape = {
+        "llama": (LlamaConfig, LlamaForCausalLM, MODEL_SHAPE),
+        "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM, DEEPSEEK_SHAPE),
+    }[architecture]
+    config = config_class(
         vocab_size=len(tokenizer),
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype=torch.bfloat16,
-        **MODEL_SHAPE,
+        **shape,
     )
     # fork_rng: seed the init without changing the caller's global torch RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     model = model.to(torch.bfloat16)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
+    if architecture == "deepseek_v2":
+        config_path = out_dir / "config.json"
+        values = json.loads(config_path.read_text())
+        values.update(_DEEPSEEK_CONFIG_EXTRA)
+        values["rope_parameters"] = _DEEPSEEK_CONFIG_EXTRA["rope_scaling"]
+        config_path.write_text(json.dumps(values, indent=2))
 
 
 @contextlib.contextmanager
@@ -353,7 +404,7 @@ def _make_shareable(folder: Path) -> None:
         child.chmod(0o644)
 
 
-def ensure_tiny_model(path: Path | str | None = None) -> Path:
+def ensure_tiny_model(path: Path | str | None = None, architecture: str = "llama") -> Path:
     """Return a folder holding the tiny model and tokenizer, building it the first time (~2-10 s on CPU).
 
     The build happens in a temporary folder beside ``path`` that is then renamed into place, so a
@@ -362,6 +413,7 @@ def ensure_tiny_model(path: Path | str | None = None) -> Path:
 
     Args:
         path: Target folder; ``DEFAULT_DIR`` when None.
+        architecture: ``llama`` (the default model) or ``deepseek_v2`` (MLA + MoE, for engine tests).
 
     Returns:
         ``path``, loadable with ``AutoTokenizer.from_pretrained`` and
@@ -370,6 +422,8 @@ def ensure_tiny_model(path: Path | str | None = None) -> Path:
     Raises:
         FileExistsError: If ``path`` exists, is not empty and is not a complete tiny model.
     """
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture: {architecture!r} is unknown; use one of {ARCHITECTURES}")
     path = Path(DEFAULT_DIR if path is None else path).expanduser()
     if _is_complete(path):
         return path
@@ -379,7 +433,7 @@ def ensure_tiny_model(path: Path | str | None = None) -> Path:
     try:
         with _quiet_progress_bars():
             tokenizer = _build_tokenizer(tmp)
-            _build_model(tmp, tokenizer)
+            _build_model(tmp, tokenizer, architecture)
         _make_shareable(tmp)
         try:
             # rename() of a folder is atomic and fails if the target is a non-empty folder,
