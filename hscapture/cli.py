@@ -60,6 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--limit", type=int, help="stop after this many samples")
     ext.add_argument("--shard-size", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
     ext.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ext.add_argument(
+        "--engine", choices=("hf", "sglang"), default="hf", help="hf (transformers) or sglang (sglang.Engine)"
+    )
+    ext.add_argument(
+        "--mode",
+        choices=("teacher", "regenerate"),
+        default="teacher",
+        help="sglang: teacher = the data's tokens; regenerate = the model writes the last assistant turn",
+    )
+    ext.add_argument("--max-new-tokens", type=int, default=512, help="regenerate: tokens per answer (default 512)")
+    ext.add_argument("--temperature", type=float, default=0.0, help="regenerate: sampling temperature (default 0)")
 
     con = commands.add_parser(
         "consume",
@@ -129,6 +140,10 @@ def _extract(args: argparse.Namespace) -> int:
         limit=args.limit,
         shard_bytes=args.shard_size,
         progress=not args.no_progress,
+        engine=args.engine,
+        mode=args.mode,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
     )
     try:
         summary = extract(options)

@@ -67,6 +67,13 @@ class ExtractOptions:
     progress: bool = True
     #: Extra arguments for the consumer process (e.g. ``["--delay-ms", "5"]`` in tests).
     consumer_args: list[str] = field(default_factory=list)
+    #: ``hf`` (transformers, in this process) or ``sglang`` (``sglang.Engine`` with the plugin).
+    engine: str = "hf"
+    #: SGLang only: ``teacher`` (the data's tokens) or ``regenerate`` (the model writes the last turn).
+    mode: str = "teacher"
+    #: SGLang regenerate mode: most tokens generated per sample, and the sampling temperature.
+    max_new_tokens: int = 512
+    temperature: float = 0.0
 
 
 @dataclass
@@ -179,6 +186,14 @@ def extract(options: ExtractOptions) -> ExtractSummary:
     """
     out = Path(options.out)
     ensure_writable_dir(out, "--out")
+    if options.engine == "sglang":
+        from hscapture.integrations.sglang_offline import extract_with_sglang
+
+        return extract_with_sglang(options)
+    if options.engine != "hf":
+        raise ValueError(f"--engine: {options.engine!r} is unknown; use hf or sglang")
+    if options.mode != "teacher":
+        raise ValueError("--mode regenerate needs --engine sglang (the HF engine runs teacher forcing only)")
     tokenizer, model, model_path = load_model(options.model, options.dtype, options.device)
     num_layers = model.config.num_hidden_layers
     layers = options.layers if options.layers is not None else eagle3_default_layers(num_layers)
@@ -224,7 +239,7 @@ def extract(options: ExtractOptions) -> ExtractSummary:
                     bar.update(sum(len(s.input_ids) for s in batch))
         finally:
             counters = producer.close()
-            code = _wait(consumer)
+            code = wait_consumer(consumer)
     seconds = time.monotonic() - started
     if code != 0:
         raise HSCaptureError(f"consumer exited with code {code}; the store at {out} keeps what was committed")
@@ -256,7 +271,8 @@ def _capture_config(model: Any, layers: tuple[int, ...], options: ExtractOptions
     )
 
 
-def _wait(consumer: subprocess.Popen, timeout_s: float = 120.0) -> int:
+def wait_consumer(consumer: subprocess.Popen, timeout_s: float = 120.0) -> int:
+    """The consumer's exit status, stopping it (it then finishes the store) if it outlives the timeout."""
     try:
         return consumer.wait(timeout_s)
     except subprocess.TimeoutExpired:

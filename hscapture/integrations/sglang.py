@@ -22,11 +22,15 @@ request already sent (re-prefill after a retraction) is not sent again.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
+import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,8 +52,12 @@ _RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
 
 
 def server_args(layer_ids: Sequence[int] | None = None) -> list[str]:
-    """SGLang server flags that make the target model keep the states we capture."""
-    args = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
+    """SGLang server flags that make the target model keep the states we capture.
+
+    The overlap scheduler is switched off: it launches step N+1 before it learns that a request
+    finished at step N, so every finished request would carry one row past its end.
+    """
+    args = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3", "--disable-overlap-schedule"]
     if layer_ids is not None:
         args += ["--return-aux-hidden-state-layer-ids", *map(str, layer_ids)]
     return args
@@ -57,7 +65,11 @@ def server_args(layer_ids: Sequence[int] | None = None) -> list[str]:
 
 def engine_kwargs(layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """The same as :func:`server_args`, as ``sglang.Engine`` keyword arguments."""
-    kwargs: dict[str, Any] = {"enable_return_aux_hidden_states": True, "speculative_algorithm": "EAGLE3"}
+    kwargs: dict[str, Any] = {
+        "enable_return_aux_hidden_states": True,
+        "speculative_algorithm": "EAGLE3",
+        "disable_overlap_schedule": True,
+    }
     if layer_ids is not None:
         kwargs["return_aux_hidden_state_layer_ids"] = list(layer_ids)
     return kwargs
@@ -90,6 +102,62 @@ class PluginSettings:
             return cls(**values)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{ENV}: not valid capture settings ({exc}); it must be PluginSettings JSON") from exc
+
+
+#: SGLang arguments for a host without a GPU (what its CPU path supports).
+CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+CPU_ENGINE_KWARGS: dict[str, Any] = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True}
+
+_CUDA_STUB_C = """
+/* SGLang's kernel package links libcuda.so.1; on a host without a GPU driver this stands in.
+   Every call answers CUDA_ERROR_NO_DEVICE (100). */
+int cuPointerGetAttribute(void *data, int attribute, unsigned long long ptr) { return 100; }
+"""
+
+
+def cpu_host_env(home: Path | None = None) -> dict[str, str]:
+    """Environment for running SGLang on a host without an NVIDIA driver (tests, laptops).
+
+    SGLang's CPU engine is selected by ``SGLANG_USE_CPU_ENGINE=1``; its kernel package still
+    links ``libcuda.so.1``, so a one-function stub is compiled (gcc) once and put first on
+    ``LD_LIBRARY_PATH``. On a host that has a driver this returns an empty dict.
+    """
+    if ctypes.util.find_library("cuda"):
+        return {}
+    from hscapture.tiny import DEFAULT_DIR
+
+    folder = Path(home if home is not None else DEFAULT_DIR.parent) / "sglang-cpu"
+    stub = folder / "libcuda.so.1"
+    if not stub.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        source = folder / "cuda_stub.c"
+        source.write_text(_CUDA_STUB_C)
+        tmp = folder / f".libcuda.so.1.{os.getpid()}"
+        try:
+            subprocess.run(
+                ["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(tmp), str(source)],
+                check=True,
+                capture_output=True,
+            )
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise RuntimeError(f"SGLang on a CPU host needs gcc to build a libcuda stub in {folder}: {exc}") from exc
+        os.replace(tmp, stub)
+    paths = [str(folder), *filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":"))]
+    return {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": ":".join(paths)}
+
+
+def use_cpu_host_env() -> bool:
+    """Apply :func:`cpu_host_env` to this process before ``import sglang``; True if it was needed.
+
+    ``LD_LIBRARY_PATH`` is read when a process starts, so the stub is also loaded here by its
+    soname; SGLang's processes started later inherit the variables.
+    """
+    env = cpu_host_env()
+    if not env:
+        return False
+    os.environ.update(env)
+    ctypes.CDLL(str(Path(env["LD_LIBRARY_PATH"].split(":")[0]) / "libcuda.so.1"), mode=ctypes.RTLD_GLOBAL)
+    return True
 
 
 def endpoint_for(base: str, dp_rank: int, dp_size: int) -> str:
