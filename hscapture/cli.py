@@ -1,4 +1,4 @@
-"""``hscapture`` command line: ``extract`` (offline bulk extraction), ``consume`` (the consumer), ``verify``."""
+"""``hscapture`` command line: ``extract`` (offline), ``serve`` (SGLang with capture), ``consume``, ``verify``."""
 
 from __future__ import annotations
 
@@ -91,6 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--discard", action="store_true", help="copy out and release but write nothing (benchmarks)")
     con.add_argument("--quiet", action="store_true", help="print nothing but warnings")
 
+    srv = commands.add_parser(
+        "serve",
+        help="run an SGLang server with capture on, and a consumer writing the store",
+        description="Starts `python -m sglang.launch_server ARGS` with the hscapture plugin capturing the EAGLE-3 "
+        "states of every request, and a consumer writing them to --out. Ctrl-C stops both; the store is finished "
+        "and requests still in flight are marked incomplete.",
+        usage="hscapture serve --out DIR [options] -- --model-path MODEL [sglang server args]",
+    )
+    srv.add_argument("--out", type=Path, required=True, help="store directory (appended to if it exists)")
+    srv.add_argument("--layers", type=_layers, help="layer ids k = residual stream entering layer k (default: EAGLE-3)")
+    srv.add_argument("--no-last", action="store_true", help="do not capture the post-norm final hidden state")
+    srv.add_argument(
+        "--policy", choices=("drop", "block"), default="drop", help="drop: serving never waits (default); block"
+    )
+    srv.add_argument("--endpoint", help="base ZeroMQ endpoint (default: a private ipc:// path)")
+    srv.add_argument("--shard-bytes", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
+    srv.add_argument("--slot-bytes", type=_size, default=4 * MiB, help="bytes per ring slot (default 4M)")
+    srv.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then SGLang server arguments")
+
     ver = commands.add_parser(
         "verify",
         help="check every shard of a store against its checksums",
@@ -114,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             return _extract(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "serve":
+            return _serve(args)
         return _consume(args)
     except (ValueError, TypeError) as exc:
         print(f"hscapture {args.command}: error: {exc}", file=sys.stderr)
@@ -164,6 +185,22 @@ def _extract(args: argparse.Namespace) -> int:
         'print(s.get(s.keys()[0]))"'
     )
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from hscapture.serve import ServeOptions, serve
+
+    sglang_args = args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args
+    options = ServeOptions(
+        out=args.out,
+        layers=args.layers,
+        capture_last=not args.no_last,
+        policy=args.policy,
+        endpoint=args.endpoint,
+        shard_bytes=args.shard_bytes,
+        slot_bytes=args.slot_bytes,
+    )
+    return serve(options, sglang_args)
 
 
 def _consume(args: argparse.Namespace) -> int:

@@ -330,7 +330,10 @@ class SGLangCapture:
             raise RuntimeError(f"cannot split aux states of width {aux.shape[1]} into layers {captured}")
         if self.settings.capture_last and last is None:
             raise RuntimeError("SGLang returned no last_hidden_states; set capture_last false or update SGLang")
-        dp_rank, dp_size = int(getattr(parallel, "attn_dp_rank", 0)), int(getattr(parallel, "attn_dp_size", 1))
+        # One stream per DP group: attention-DP ranks inside one TP group, or DP replicas.
+        dp_size = int(getattr(parallel, "dp_size", 1) or 1)
+        replica = getattr(parallel, "dp_rank", None)
+        dp_rank = int(replica if replica is not None else getattr(parallel, "attn_dp_rank", 0))
         num_layers = worker.model_runner.model_config.num_hidden_layers
         max_rows = int(getattr(worker, "max_num_tokens", 0) or 8192)
         config = CaptureConfig(

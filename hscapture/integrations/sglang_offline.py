@@ -159,4 +159,3 @@ def _check_layers(store: Any, wanted: Sequence[int] | None) -> None:
     got = store.metadata()["runs"][-1]["meta"]["config"]["layers"]
     if wanted is not None and list(got) != list(wanted):
         raise HSCaptureError(f"SGLang captured layers {got}, not the {list(wanted)} asked for")
-

@@ -1,0 +1,172 @@
+"""``hscapture serve``: an SGLang HTTP server with capture on, plus the consumer(s) writing the store.
+
+The server runs unchanged (``python -m sglang.launch_server`` with the user's arguments) plus
+the flags that make it keep the EAGLE-3 states; the hscapture plugin in its scheduler process
+publishes them (``drop`` policy by default: serving never waits). One consumer per stream
+writes the store: one stream, or one per attention-DP group (``DIR/dp<rank>``).
+
+Ctrl-C (or SIGTERM) stops the server first, then lets each consumer notice that its producer
+is gone, finish the requests it can and close the store; what was in flight is marked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hscapture.config import MiB, ensure_writable_dir
+from hscapture.consumer import consume_command
+from hscapture.integrations.sglang import (
+    CPU_SERVER_ARGS,
+    ENV,
+    PluginSettings,
+    cpu_host_env,
+    endpoint_for,
+    server_args,
+)
+from hscapture.integrations.sglang_offline import sglang_layer_ids
+from hscapture.reader import open_store
+
+
+@dataclass
+class ServeOptions:
+    """What ``hscapture serve`` does; every field has the CLI flag of the same name."""
+
+    out: Path
+    #: hscapture layer ids (residual stream entering layer k); None = SGLang's EAGLE-3 default.
+    layers: tuple[int, ...] | None = None
+    capture_last: bool = True
+    #: ``drop`` (serving never waits; drops are counted) or ``block`` (nothing lost).
+    policy: str = "drop"
+    endpoint: str | None = None
+    shard_bytes: int = 256 * MiB
+    slot_bytes: int = 4 * MiB
+    #: Seconds the consumers get to close the store after the server stopped.
+    grace_s: float = 30.0
+    consumer_args: list[str] = field(default_factory=list)
+
+
+def option_value(args: list[str], *names: str) -> str | None:
+    """The value of an ``--name value`` or ``--name=value`` option in a command line."""
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def capture_streams(args: list[str]) -> int:
+    """How many capture streams the server will publish; refuses what cannot be captured."""
+    pp = int(option_value(args, "--pp-size", "--pipeline-parallel-size") or 1)
+    if pp > 1:
+        raise ValueError("hscapture cannot capture with pipeline parallelism (--pp-size > 1); use TP or DP")
+    dp = int(option_value(args, "--dp-size", "--data-parallel-size") or 1)
+    return dp
+
+
+def serve(options: ServeOptions, sglang_args: list[str]) -> int:
+    """Run server and consumers until the server exits or we are told to stop; the server's status."""
+    model = option_value(sglang_args, "--model-path", "--model")
+    if model is None:
+        raise ValueError("give SGLang's --model-path after --, e.g. hscapture serve --out DIR -- --model-path M")
+    streams = capture_streams(sglang_args)
+    ensure_writable_dir(Path(options.out), "--out")
+    base = options.endpoint or f"ipc:///tmp/hscapture-{os.getuid()}/serve-{os.getpid()}"
+    layer_ids = None
+    if options.layers is not None:
+        model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type", "")
+        layer_ids = sglang_layer_ids(options.layers, model_type)
+    settings = PluginSettings(
+        endpoint=base,
+        capture_last=options.capture_last,
+        policy=options.policy,
+        slot_bytes=options.slot_bytes,
+        meta={"launcher": "hscapture serve", "server_args": sglang_args},
+    )
+    env = {**os.environ, ENV: settings.to_env()}
+    extra = server_args(layer_ids)
+    cpu_env = cpu_host_env()
+    if cpu_env:  # no NVIDIA driver here: SGLang's CPU path
+        env.update(cpu_env)
+        if option_value(sglang_args, "--device") is None:
+            extra += CPU_SERVER_ARGS
+    consumers = [
+        subprocess.Popen(
+            consume_command(
+                endpoint_for(base, rank, streams),
+                Path(options.out) / f"dp{rank}" if streams > 1 else Path(options.out),
+                "--exit-on-eos",
+                "--shard-bytes",
+                str(options.shard_bytes),
+                *options.consumer_args,
+            ),
+            start_new_session=True,  # a terminal's Ctrl-C reaches us; we stop the consumers in order
+        )
+        for rank in range(streams)
+    ]
+    command = [sys.executable, "-m", "sglang.launch_server", *sglang_args, *extra]
+    print(f"hscapture serve: {' '.join(command)}", file=sys.stderr, flush=True)
+    server = subprocess.Popen(command, env=env)
+    stopping: list[int] = []
+
+    def stop(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = _wait_server(server, stopping)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _stop_consumers(consumers, options.grace_s)
+    _summary(Path(options.out), streams)
+    return 0 if stopping else code
+
+
+def _wait_server(server: subprocess.Popen, stopping: list[int]) -> int:
+    while True:
+        try:
+            return server.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if stopping and len(stopping) > 1:  # a second Ctrl-C: do not wait for a graceful stop
+                server.kill()
+
+
+def _stop_consumers(consumers: list[subprocess.Popen], grace_s: float) -> None:
+    """Consumers close the store once they see the server's scheduler gone; SIGTERM after the grace."""
+    deadline = time.monotonic() + grace_s
+    for consumer in consumers:
+        try:
+            consumer.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            consumer.terminate()  # the consumer finishes the store on SIGTERM
+            try:
+                consumer.wait(60)
+            except subprocess.TimeoutExpired:
+                consumer.kill()
+                consumer.wait()
+
+
+def _summary(out: Path, streams: int) -> None:
+    for folder in [out / f"dp{r}" for r in range(streams)] if streams > 1 else [out]:
+        try:
+            summary = open_store(folder).summary()
+        except Exception as exc:  # nothing was captured (the server never served), or no store
+            print(f"hscapture serve: no store at {folder} ({exc})", file=sys.stderr)
+            continue
+        print(
+            f"store {folder}: {summary['complete']} complete requests, {summary['incomplete']} incomplete, "
+            f"{summary['rows']} rows, {summary['rows_dropped']} rows dropped",
+            file=sys.stderr,
+        )

@@ -1,0 +1,81 @@
+"""Run ``sglang.Engine`` once over given prompts and dump what SGLang itself returned, as JSON.
+
+A separate process per engine (SGLang keeps process-wide state, and ``Engine.shutdown`` kills
+every child of the process that made it). With ``--capture ENDPOINT`` the hscapture plugin is
+switched on (block policy) and closed through ``collective_rpc`` before shutdown.
+
+    python -m tests.sglang_driver --model DIR --prompts prompts.json --out result.json [--capture EP]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from hscapture.integrations.sglang import (
+    CLOSE_RPC,
+    CPU_ENGINE_KWARGS,
+    ENV,
+    PluginSettings,
+    engine_kwargs,
+    use_cpu_host_env,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--capture", help="switch capture on, publishing to this endpoint")
+    parser.add_argument("--aux", action="store_true", help="SGLang's aux-state flags (implied by --capture)")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--chunked-prefill-size", type=int, default=32)
+    args = parser.parse_args()
+    use_cpu_host_env()
+    if args.capture:
+        os.environ[ENV] = PluginSettings(endpoint=args.capture, policy="block", slot_bytes=1 << 20).to_env()
+    import sglang
+
+    engine = sglang.Engine(
+        model_path=args.model,
+        log_level="error",
+        mem_fraction_static=0.3,
+        chunked_prefill_size=args.chunked_prefill_size,
+        disable_radix_cache=True,
+        **CPU_ENGINE_KWARGS,
+        # Without the aux flags SGLang returns the post-norm last layer, once asked to return states at all.
+        **(engine_kwargs() if args.capture or args.aux else {"enable_return_hidden_states": True}),
+    )
+    prompts = json.loads(open(args.prompts).read())
+    try:
+        outputs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": args.max_new_tokens, "temperature": 0.0},
+            return_hidden_states=True,
+        )
+        if args.capture:
+            engine.collective_rpc(CLOSE_RPC)
+    finally:
+        engine.shutdown()
+    result = [
+        {
+            "rid": o["meta_info"]["id"],
+            "prompt": p,
+            "output_ids": o["output_ids"],
+            # SGLang returns one list of rows for the prefill, then one row per decode step.
+            "hidden_states": [row for part in o["meta_info"]["hidden_states"] for row in _rows(part)],
+        }
+        for p, o in zip(prompts, outputs)
+    ]
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+def _rows(part: list) -> list:
+    return part if part and isinstance(part[0], list) else [part]
+
+
+if __name__ == "__main__":
+    main()
