@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,7 +115,10 @@ def _post(url: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any
 def _abort_after_first_chunks(url: str, body: dict[str, Any]) -> None:
     """Stream a long answer and hang up after two chunks: SGLang aborts the request."""
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    response = urllib.request.urlopen(request, timeout=300)
+    try:
+        response = urllib.request.urlopen(request, timeout=300)
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{body['rid']}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
     for _ in range(2):
         response.readline()
     response.close()
@@ -175,7 +179,7 @@ def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
             errors.append(exc)
 
     aborted = [
-        {**bodies[0], "rid": f"abort-{i}", "max_tokens": 2000, "stream": True, "return_token_ids": False}
+        {"model": "default", "messages": bodies[i]["messages"], "max_tokens": 1000, "stream": True, "rid": f"abort-{i}"}
         for i in range(2)
     ]
     threads = [threading.Thread(target=ask, args=(b,)) for b in bodies]
@@ -193,7 +197,7 @@ def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
     store = open_store(store_dir)
     for rid, reply in results.items():
         choice = reply["choices"][0]
-        prompt, output = reply["prompt_token_ids"], choice["token_ids"]
+        prompt, output = choice["prompt_token_ids"], choice["response_token_ids"]
         record = store.record(rid)
         cached = (reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         total = len(prompt) + len(output) - 1
