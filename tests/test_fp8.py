@@ -230,7 +230,7 @@ def test_real_hidden_states_in_fp8_within_the_bound_in_half_the_bytes(tiny_store
     assert "store_dtype" not in plain.metadata() and fp8.metadata()["store_dtype"] == "float8_e4m3fn"
     assert fp8.keys(complete_only=True) == plain.keys(complete_only=True)
     worst = 0.0
-    for key in plain.keys():
+    for key in plain:
         want, got, raw = plain.get(key), fp8.get(key), fp8.get(key, dequantize=False)
         for field in ("input_ids", "positions", "loss_mask"):
             assert torch.equal(got[field], want[field]), (key, field)
