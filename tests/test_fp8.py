@@ -9,6 +9,7 @@ bf16 rounds once more (8 significant bits: at most 2**-8 of the value).
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -257,3 +258,17 @@ def test_extract_refuses_another_storage_dtype_before_loading_the_model(tiny_sto
     assert result.returncode == 1
     assert "stores rows as bfloat16, not float8_e4m3fn" in result.stderr
     assert (tiny_store / "index.jsonl").read_bytes() == index
+
+
+def test_format_md_fp8_reading_snippet_runs(tiny_store_fp8: Path) -> None:
+    """FORMAT.md's fp8 reader, verbatim but for the directory and key: the same rows as Store.get."""
+    text = (Path(__file__).resolve().parents[1] / "FORMAT.md").read_text()
+    section = text[text.index("From an fp8 store") : text.index("With hscapture, `hscapture.open_store")]
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    scope: dict = {}
+    key = open_store(tiny_store_fp8).keys()[0]
+    snippet = snippet.replace('"store/', f'"{tiny_store_fp8}/').replace('"sample-00000000"', repr(key))
+    exec(compile(snippet, "FORMAT.md", "exec"), scope)
+    got = torch.cat(scope["rows"])
+    want = open_store(tiny_store_fp8).get(key, tensors=["layer_2"])["layer_2"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
