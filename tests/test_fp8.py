@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from hscapture.fp8 import E4M3_MAX, dequantize_rows, quantize_rows
 from hscapture.store import StoreWriter
 from hscapture.verify import verify_store
 from tests.test_store import HIDDEN, NAMES, Feed, Request, make_layout, shard_bytes, shard_files
+from tests.test_verify import flip, header_of
 
 E4M3_REL = 2**-4
 SUBNORMAL_ABS = 2**-10
@@ -116,20 +116,6 @@ def test_quantize_refuses_what_is_not_rows() -> None:
 # ------------------------------------------------------------------------------ the store
 
 
-def shard_header(path: Path) -> tuple[int, dict]:
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    return 8 + length, json.loads(data[8 : 8 + length])
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with path.open("r+b") as handle:
-        handle.seek(offset)
-        (byte,) = handle.read(1)
-        handle.seek(offset)
-        handle.write(bytes([byte ^ 0x10]))
-
-
 def bf16_request(rng: np.random.Generator, n: int, special: bool = False) -> Request:
     rows = torch.stack([spread_rows(rng, n, HIDDEN) for _ in NAMES]).bfloat16()
     if special:
@@ -156,7 +142,7 @@ def test_fp8_store_files_reader_and_verify(tmp_path: Path) -> None:
     assert (meta["dtype"], meta["store_dtype"]) == ("bfloat16", "float8_e4m3fn")
     files = shard_files(tmp_path)
     assert len(files) == 6  # 41 rows, 7 per shard: as many rows per shard as bf16 would hold
-    _, header = shard_header(files[0])
+    _, header = header_of(files[0])
     for name in NAMES:
         assert (header[name]["dtype"], header[name]["shape"]) == ("F8_E4M3", [7, HIDDEN])
         assert (header[f"{name}.scale"]["dtype"], header[f"{name}.scale"]["shape"]) == ("F32", [7])
@@ -183,13 +169,13 @@ def test_fp8_store_files_reader_and_verify(tmp_path: Path) -> None:
     assert torch.isnan(store.get("a")["layer_5"][2, 5]) and torch.isnan(store.get("a")["last"][3, 0])
 
     assert verify_store(tmp_path).ok
-    base, header = shard_header(files[1])
+    base, header = header_of(files[1])
     for tensor in ("layer_2.scale", "last"):
         begin, end = header[tensor]["data_offsets"]
-        flip_byte(files[1], base + (begin + end) // 2)
+        flip(files[1], base + (begin + end) // 2)
         report = verify_store(tmp_path)
         assert [(c.id, c.tensors) for c in report.corrupted] == [(1, [tensor])]
-        flip_byte(files[1], base + (begin + end) // 2)  # undo
+        flip(files[1], base + (begin + end) // 2)  # undo
     result = subprocess.run(
         [sys.executable, "-m", "hscapture", "verify", str(tmp_path)], capture_output=True, text=True, timeout=120
     )
@@ -211,7 +197,7 @@ def test_a_store_keeps_its_storage_dtype(tmp_path: Path) -> None:
     writer.begin_run(make_layout(run_id="run-b", dtype="bfloat16"))
     Feed(writer, {"y": bf16_request(rng, 2)}, "bfloat16").chunk([("y", range(2))])
     writer.close()
-    assert [shard_header(path)[1]["last"]["dtype"] for path in shard_files(fp8)] == ["F8_E4M3", "F8_E4M3"]
+    assert [header_of(path)[1]["last"]["dtype"] for path in shard_files(fp8)] == ["F8_E4M3", "F8_E4M3"]
     StoreWriter(plain, shard_bytes("bfloat16"), lock_timeout_s=0).close()  # the refused writer released the lock
 
 
