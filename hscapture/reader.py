@@ -62,6 +62,8 @@ class Store:
         self.dtype: torch.dtype = DTYPES[self._meta["dtype"]]
         #: How rows are stored: the captured dtype's name or ``float8_e4m3fn`` (fp8 with per-row scales).
         self.store_dtype: str = self._meta.get("store_dtype", self._meta["dtype"])
+        if self.store_dtype not in (self._meta["dtype"], FP8_NAME):
+            raise StoreError(f"{meta_path}: rows stored as {self.store_dtype!r}; this hscapture reads {FP8_NAME!r}")
         self._max_open = max_open_shards
         self._forget_shards()
 

@@ -147,8 +147,8 @@ def test_fp8_store_files_reader_and_verify(tmp_path: Path) -> None:
         assert (header[name]["dtype"], header[name]["shape"]) == ("F8_E4M3", [7, HIDDEN])
         assert (header[f"{name}.scale"]["dtype"], header[f"{name}.scale"]["shape"]) == ("F32", [7])
     lines = [json.loads(line) for line in (tmp_path / "index.jsonl").read_text().splitlines()]
-    counted = [line.get("nonfinite") for line in lines if line["type"] == "shard"]
-    assert [c for c in counted if c] == [{"layer_5": 1}, {"last": 1}], "counted in the shards holding a2 and a3"
+    counted = {line["id"]: line["nonfinite"] for line in lines if line["type"] == "shard" and "nonfinite" in line}
+    assert counted == {1: {"layer_5": 1}, 2: {"last": 1}}, "counted in the shards holding a2 and a3"
 
     store = open_store(tmp_path)
     assert store.quantized and store.store_dtype == "float8_e4m3fn" and store.dtype == torch.bfloat16
@@ -199,6 +199,16 @@ def test_a_store_keeps_its_storage_dtype(tmp_path: Path) -> None:
     writer.close()
     assert [header_of(path)[1]["last"]["dtype"] for path in shard_files(fp8)] == ["F8_E4M3", "F8_E4M3"]
     StoreWriter(plain, shard_bytes("bfloat16"), lock_timeout_s=0).close()  # the refused writer released the lock
+
+
+def test_a_reader_refuses_rows_stored_in_a_way_it_does_not_know(tmp_path: Path) -> None:
+    writer = StoreWriter(tmp_path, shard_bytes("bfloat16"), store_dtype="fp8")
+    writer.begin_run(make_layout(dtype="bfloat16"))
+    writer.close()
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "store_dtype": "int4"}))
+    with pytest.raises(StoreError, match=r"rows stored as 'int4'; this hscapture reads 'float8_e4m3fn'"):
+        open_store(tmp_path)
 
 
 def test_consumer_config_names_the_storage_dtype(tmp_path: Path) -> None:
