@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from hscapture.config import MiB, default_endpoint
+from hscapture.config import STORE_DTYPES, MiB, default_endpoint
 from hscapture.errors import HSCaptureError
 
 
@@ -30,6 +30,12 @@ def _size(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give a size like 256M, 1G or 4096") from None
+
+
+STORE_DTYPE_HELP = (
+    "fp8: store rows as float8_e4m3fn with one float32 scale per row, half the bytes of bf16, quantized by "
+    "the consumer (default: as captured, or as the existing store does)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--max-batch-size", type=int, default=64, help="samples per forward (default 64)")
     ext.add_argument("--limit", type=int, help="stop after this many samples")
     ext.add_argument("--shard-size", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
+    ext.add_argument("--store-dtype", choices=sorted(STORE_DTYPES), help=STORE_DTYPE_HELP)
     ext.add_argument("--no-progress", action="store_true", help="no progress bar")
     ext.add_argument(
         "--engine", choices=("hf", "sglang"), default="hf", help="hf (transformers) or sglang (sglang.Engine)"
@@ -88,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--delay-ms", type=float, default=0.0, help="sleep per chunk (simulate a slow consumer)")
     con.add_argument("--watch-pid", type=int, help="finish and exit when this process is gone")
     con.add_argument("--token", help="the producer's token (default: read beside an ipc:// endpoint)")
+    con.add_argument("--store-dtype", choices=sorted(STORE_DTYPES), help=STORE_DTYPE_HELP)
     con.add_argument("--discard", action="store_true", help="copy out and release but write nothing (benchmarks)")
     con.add_argument("--quiet", action="store_true", help="print nothing but warnings")
 
@@ -160,6 +168,7 @@ def _extract(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         limit=args.limit,
         shard_bytes=args.shard_size,
+        store_dtype=args.store_dtype,
         progress=not args.no_progress,
         engine=args.engine,
         mode=args.mode,
@@ -219,6 +228,7 @@ def _consume(args: argparse.Namespace) -> int:
         watch_pid=args.watch_pid,
         discard=args.discard,
         token=args.token,
+        store_dtype=args.store_dtype,
     )
     consumer = Consumer(config)
     for signum in (signal.SIGINT, signal.SIGTERM):

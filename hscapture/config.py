@@ -25,6 +25,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 
+#: What ``store_dtype`` accepts, by name: the name written to ``meta.json``. None stores the captured dtype.
+STORE_DTYPES: dict[str, str] = {"fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
+
 Policy = Literal["block", "drop"]
 POLICIES = ("block", "drop")
 
@@ -32,6 +35,16 @@ POLICIES = ("block", "drop")
 def default_endpoint() -> str:
     """An ipc:// endpoint in a per-user directory, so two users on one host never meet."""
     return f"ipc:///tmp/hscapture-{os.getuid()}/default"
+
+
+def store_dtype_name(value: str | None, field_name: str = "store_dtype") -> str | None:
+    """The ``meta.json`` name of a requested storage dtype (None: as captured), or a ValueError naming the field."""
+    if value is None or value in STORE_DTYPES:
+        return None if value is None else STORE_DTYPES[value]
+    raise ValueError(
+        f"{field_name}: {value!r} is not a storage dtype; use 'fp8' (float8_e4m3fn with one scale per row, "
+        "half the bytes of bf16) or leave it unset to store rows as captured"
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -211,8 +224,12 @@ class ConsumerConfig:
     discard: bool = False
     #: The producer's token; None reads it from the file beside an ipc:// endpoint.
     token: str | None = None
+    #: ``fp8`` stores rows as float8_e4m3fn with one scale per row (quantized by the writer
+    #: threads, not the engine); None stores them as captured (or as the existing store does).
+    store_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        self.store_dtype = store_dtype_name(self.store_dtype)
         if self.out_dir is None and not self.discard:
             raise ValueError("out_dir: the consumer needs an output directory (or discard=True)")
         self.out_dir = None if self.out_dir is None else Path(self.out_dir)

@@ -72,7 +72,13 @@ class Consumer:
         if config.discard:
             self.store = NullSink()
         else:
-            self.store = StoreWriter(config.check_out_dir(), config.shard_bytes, config.writer_threads, config.flush_s)
+            self.store = StoreWriter(
+                config.check_out_dir(),
+                config.shard_bytes,
+                config.writer_threads,
+                config.flush_s,
+                store_dtype=config.store_dtype,
+            )
         self._context = zmq.Context.instance()
         self._announce = make_socket(self._context, zmq.PULL)
         self._announce.connect(announce_endpoint(config.endpoint))

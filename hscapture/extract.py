@@ -21,14 +21,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hscapture.config import DTYPES, CaptureConfig, MiB, dtype_name, ensure_writable_dir
+from hscapture.config import DTYPES, CaptureConfig, MiB, dtype_name, ensure_writable_dir, store_dtype_name
 from hscapture.consumer import consume_command
 from hscapture.data import Sample, load_samples, pad_batch, plan_batches
 from hscapture.errors import HSCaptureError
 from hscapture.integrations.hf import HFCapture, describe, eagle3_default_layers
 from hscapture.producer import Producer
 from hscapture.reader import open_store
-from hscapture.store import META_FILE
+from hscapture.store import META_FILE, check_store_dtype
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class ExtractOptions:
     limit: int | None = None
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
+    #: ``fp8``: the consumer stores rows as float8_e4m3fn with a per-row scale; None: as captured.
+    store_dtype: str | None = None
     #: Writer threads of the consumer.
     writer_threads: int = 2
     #: Show a progress bar.
@@ -172,6 +174,7 @@ def start_consumer(endpoint: str, options: ExtractOptions) -> subprocess.Popen:
         endpoint,
         options.out,
         *("--shard-bytes", str(options.shard_bytes), "--writer-threads", str(options.writer_threads)),
+        *(("--store-dtype", options.store_dtype) if options.store_dtype is not None else ()),
         *("--exit-on-eos", "--watch-pid", str(os.getpid()), "--quiet", *options.consumer_args),
     )
     return subprocess.Popen(command)
@@ -186,6 +189,7 @@ def extract(options: ExtractOptions) -> ExtractSummary:
     """
     out = Path(options.out)
     ensure_writable_dir(out, "--out")
+    check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
     if options.engine == "sglang":
         from hscapture.integrations.sglang_offline import extract_with_sglang
 

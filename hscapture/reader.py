@@ -1,12 +1,14 @@
 """Reading a store: ``open_store(path)`` then ``keys()``, ``get(key)``, ``metadata()``.
 
 Shards are memory-mapped through safetensors, and ``get`` slices only the rows of the asked
-request, so reading one sample never loads a whole shard.
+request, so reading one sample never loads a whole shard. A ``Store`` can be pickled and used
+after a fork (DataLoader workers): each process maps the shards itself, on first use.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from safetensors import safe_open
 
 from hscapture.config import DTYPES
 from hscapture.errors import StoreError
+from hscapture.fp8 import FP8, FP8_NAME, dequantize_rows, scale_name
 from hscapture.store import META_FILE, read_index, shard_name
 
 ROW_FIELDS = ("positions", "token_ids")
@@ -55,8 +58,33 @@ class Store:
                 if session is not None:
                     session["end"] = record
         self.tensor_names: list[str] = [t["name"] for t in self._meta["tensors"]]
-        self._open: OrderedDict[int, Any] = OrderedDict()
+        #: The captured dtype: what ``get`` returns.
+        self.dtype: torch.dtype = DTYPES[self._meta["dtype"]]
+        #: How rows are stored: the captured dtype's name or ``float8_e4m3fn`` (fp8 with per-row scales).
+        self.store_dtype: str = self._meta.get("store_dtype", self._meta["dtype"])
+        if self.store_dtype not in (self._meta["dtype"], FP8_NAME):
+            raise StoreError(f"{meta_path}: rows stored as {self.store_dtype!r}; this hscapture reads {FP8_NAME!r}")
         self._max_open = max_open_shards
+        self._forget_shards()
+
+    def _forget_shards(self) -> None:
+        """Drop every shard mapping; this process maps shards anew as it needs them."""
+        self._open: OrderedDict[int, Any] = OrderedDict()
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_open"]  # mappings do not travel: the other process maps the shards itself
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._forget_shards()
+
+    @property
+    def quantized(self) -> bool:
+        """Rows are stored as fp8 codes with a per-row scale (``get`` dequantizes them)."""
+        return self.store_dtype == FP8_NAME
 
     # ------------------------------------------------------------------ index
 
@@ -103,13 +131,21 @@ class Store:
 
     # ------------------------------------------------------------------ data
 
-    def get(self, key: str, tensors: list[str] | None = None) -> dict[str, torch.Tensor]:
+    def get(self, key: str, tensors: list[str] | None = None, dequantize: bool = True) -> dict[str, torch.Tensor]:
         """One request's rows, sorted by position.
+
+        Args:
+            key: the request id.
+            tensors: the captured tensors to read (default: all).
+            dequantize: on an fp8 store, return rows in the captured dtype (the default) rather
+                than as stored.
 
         Returns:
             ``input_ids`` int64 ``[n]``, ``positions`` int64 ``[n]``, ``loss_mask`` int64 ``[n]``
             (1 where trained on), and each captured tensor (``layer_{k}``, ``last``) as
-            ``[n, hidden]`` in the stored dtype.
+            ``[n, hidden]`` in the captured dtype. From an fp8 store with ``dequantize=False``:
+            each tensor as float8_e4m3fn codes ``[n, hidden]`` plus ``{name}.scale`` float32
+            ``[n]``, where a row is ``codes.float() * scale[:, None]``.
 
         Raises:
             KeyError: no such request. StoreError: a shard it needs is missing.
@@ -119,15 +155,21 @@ class Store:
         unknown = sorted(set(names) - set(self.tensor_names))
         if unknown:
             raise KeyError(f"tensors {unknown} are not in this store; it holds {self.tensor_names}")
-        parts: dict[str, list[torch.Tensor]] = {name: [] for name in (*ROW_FIELDS, *names)}
+        scales = [scale_name(name) for name in names] if self.quantized else []
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in (*ROW_FIELDS, *names, *scales)}
         for shard_id, start, count in record["spans"]:
             handle = self._shard(shard_id)
             for name, pieces in parts.items():
                 pieces.append(handle.get_slice(name)[start : start + count])
         out = {name: torch.cat(pieces) if pieces else self._empty(name) for name, pieces in parts.items()}
-        order = torch.argsort(out["positions"], stable=True)
-        out = {name: value[order] for name, value in out.items()}
         positions = out["positions"]
+        if not bool((positions[1:] >= positions[:-1]).all()):  # rows arrive in order unless a step was split
+            order = torch.argsort(positions, stable=True)
+            out = {name: value[order] for name, value in out.items()}
+            positions = out["positions"]
+        if self.quantized and dequantize:
+            for name, scale in zip(names, scales):
+                out[name] = dequantize_rows(out[name], out.pop(scale), self.dtype)
         mask = torch.zeros_like(positions)
         for start, end in record["loss_mask"]:
             mask |= ((positions >= start) & (positions < end)).long()
@@ -138,9 +180,13 @@ class Store:
     def _empty(self, name: str) -> torch.Tensor:
         if name in ROW_FIELDS:
             return torch.empty(0, dtype=torch.int64)
-        return torch.empty(0, self._meta["hidden_size"], dtype=DTYPES[self._meta["dtype"]])
+        if name not in self.tensor_names:  # a scale
+            return torch.empty(0, dtype=torch.float32)
+        return torch.empty(0, self._meta["hidden_size"], dtype=FP8 if self.quantized else self.dtype)
 
     def _shard(self, shard_id: int) -> Any:
+        if self._pid != os.getpid():  # forked (a DataLoader worker): never read through the parent's mappings
+            self._forget_shards()
         handle = self._open.get(shard_id)
         if handle is not None:
             self._open.move_to_end(shard_id)

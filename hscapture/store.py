@@ -29,8 +29,9 @@ import safetensors.torch
 import torch
 
 from hscapture import protocol
-from hscapture.config import DTYPES
+from hscapture.config import DTYPES, store_dtype_name
 from hscapture.errors import StoreError
+from hscapture.fp8 import FP8_NAME, quantize_rows, scale_name
 from hscapture.ring import RingReader
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,23 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def check_store_dtype(root: Path, requested: str | None) -> None:
+    """Refuse to add rows stored as ``requested`` to an existing store that stores them otherwise.
+
+    ``requested`` None (store as captured, or as the store already does) always fits.
+    """
+    path = root / META_FILE
+    if requested is None or not path.exists():
+        return
+    meta = json.loads(path.read_text())
+    held = meta.get("store_dtype", meta.get("dtype"))
+    if held != requested:
+        raise StoreError(
+            f"{root}: stores rows as {held}, not {requested}; leave --store-dtype unset to continue "
+            "it as it is, or write to another --out directory"
+        )
 
 
 def _lock_store(root: Path, timeout_s: float) -> IO[str]:
@@ -145,6 +163,8 @@ class _RunSpec:
     hidden_size: int
     row_bytes: int
     rows_per_shard: int
+    #: Quantize rows to fp8 with a per-row scale when writing the shard.
+    fp8: bool = False
 
 
 class StoreWriter:
@@ -157,6 +177,8 @@ class StoreWriter:
         flush_s: a shard open longer than this is written even if not full, so streaming
             capture of a quiet server still reaches disk.
         lock_timeout_s: how long to wait for another writer of the same store to finish.
+        store_dtype: ``fp8`` (or ``float8_e4m3fn``) quantizes rows on the writer threads; None
+            stores them as captured, or as an existing store already does.
 
     Raises:
         StoreError: another process keeps writing this store, or it holds another format.
@@ -169,11 +191,14 @@ class StoreWriter:
         writer_threads: int = 2,
         flush_s: float = 30.0,
         lock_timeout_s: float = 30.0,
+        store_dtype: str | None = None,
     ) -> None:
         self.root = Path(root)
+        self.store_dtype = store_dtype_name(store_dtype)
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_store(self.root, lock_timeout_s)
         try:
+            check_store_dtype(self.root, self.store_dtype)
             self._open_existing(shard_bytes, writer_threads, flush_s)
         except BaseException:
             self._lock.close()
@@ -223,7 +248,8 @@ class StoreWriter:
         tensors = [{"name": n, "description": d} for n, d in zip(layout.tensor_names, layout.tensor_descriptions)]
         spec = {"dtype": layout.dtype, "hidden_size": layout.hidden_size, "tensors": tensors}
         if self._meta is None:
-            self._meta = {"format": STORE_FORMAT, "version": STORE_VERSION, **spec}
+            stored_as = {"store_dtype": self.store_dtype} if self.store_dtype is not None else {}
+            self._meta = {"format": STORE_FORMAT, "version": STORE_VERSION, **spec, **stored_as}
             write_atomic(self.root / META_FILE, json.dumps(self._meta, indent=2).encode())
         else:
             stored = {k: self._meta.get(k) for k in spec}
@@ -239,7 +265,8 @@ class StoreWriter:
             dtype=dtype,
             hidden_size=layout.hidden_size,
             row_bytes=row_bytes,
-            rows_per_shard=max(1, self.shard_bytes // row_bytes),
+            rows_per_shard=max(1, self.shard_bytes // row_bytes),  # fp8 files hold as many rows, in half the bytes
+            fp8=self._meta.get("store_dtype") == FP8_NAME,
         )
         self._append({"type": "run", "run_id": layout.run_id, "time": time.time(), "meta": layout.meta})
         if self._buffers_made == 0:  # allocate (pin) the first shard buffer now, not under the first chunk
@@ -490,6 +517,14 @@ def _write_shard_file(root: Path, shard: _OpenShard, run: _RunSpec) -> dict[str,
     tensors = {
         name: torch.from_numpy(plane[:n]).view(run.dtype) for name, plane in zip(run.tensor_names, buffer.tensors)
     }
+    nonfinite: dict[str, int] = {}
+    if run.fp8:
+        for name in run.tensor_names:
+            tensors[name], tensors[scale_name(name)], count = quantize_rows(tensors[name])
+            if count:
+                nonfinite[name] = count
+        if nonfinite:
+            log.warning("shard %d: non-finite values stored as fp8 NaN: %s", shard.shard_id, nonfinite)
     tensors["positions"] = torch.from_numpy(buffer.positions[:n])
     tensors["token_ids"] = torch.from_numpy(buffer.token_ids[:n])
     tensors["request_index"] = torch.from_numpy(buffer.request_index[:n])
@@ -503,7 +538,7 @@ def _write_shard_file(root: Path, shard: _OpenShard, run: _RunSpec) -> dict[str,
     crc32, tensor_crc32 = shard_checksums(data)  # of the bytes about to be written, while they are in memory
     path = root / shard_name(shard.shard_id)
     write_atomic(path, data)
-    return {
+    line = {
         "type": "shard",
         "id": shard.shard_id,
         "file": path.name,
@@ -512,6 +547,7 @@ def _write_shard_file(root: Path, shard: _OpenShard, run: _RunSpec) -> dict[str,
         "crc32": crc32,
         "tensor_crc32": tensor_crc32,
     }
+    return {**line, "nonfinite": nonfinite} if nonfinite else line
 
 
 def shard_checksums(data: bytes) -> tuple[str, dict[str, str]]:

@@ -69,3 +69,35 @@ def _private_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     monkeypatch.setenv("HSCAPTURE_HOME", str(tmp_path_factory.getbasetemp() / "home"))
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+TINY_SAMPLES = 32
+
+
+@pytest.fixture(scope="session")
+def tiny_demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hscapture.tiny import write_demo_jsonl
+
+    return write_demo_jsonl(tmp_path_factory.mktemp("tiny-data") / "demo.jsonl", n=TINY_SAMPLES)
+
+
+def _extract_tiny(model: Path, data: Path, out: Path, store_dtype: str | None) -> Path:
+    from hscapture.extract import ExtractOptions, extract
+
+    options = ExtractOptions(
+        out=out, model=model, data=data, max_batch_tokens=1024, store_dtype=store_dtype, progress=False
+    )
+    assert extract(options).store["complete"] == TINY_SAMPLES
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tiny_model: Path, tiny_demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY_SAMPLES demo conversations through the tiny model, by a real extraction, stored as captured (bf16)."""
+    return _extract_tiny(tiny_model, tiny_demo_data, tmp_path_factory.mktemp("tiny-bf16"), None)
+
+
+@pytest.fixture(scope="session")
+def tiny_store_fp8(tiny_model: Path, tiny_demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same extraction (same batches, so the same captured rows) stored with ``--store-dtype fp8``."""
+    return _extract_tiny(tiny_model, tiny_demo_data, tmp_path_factory.mktemp("tiny-fp8"), "fp8")

@@ -110,6 +110,21 @@ def test_streaming_capture_example(tmp_path: Path) -> None:
         assert store.record(key)["num_tokens"] > 8 - 1
 
 
+def test_train_reader_example(tmp_path: Path) -> None:
+    """python examples/train_reader.py --out DIR --store-dtype fp8 --samples 16 --steps 30."""
+    out = tmp_path / "hs-train"
+    result = run_script(
+        "examples/train_reader.py", "--out", out, "--store-dtype", "fp8", "--samples", "16", "--steps", "30"
+    )
+    assert "captured 16 samples" in result.stdout
+    assert f"store {out}: 16 samples, rows stored as float8_e4m3fn" in result.stdout
+    store = open_store(out)
+    assert store.quantized and len(store.keys(complete_only=True)) == 16
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("trained 30 steps on 16 samples")]
+    first, last = (float(part.split()[-1]) for part in line.split(": mean loss of the first 5 steps ")[1].split(","))
+    assert last < 0.8 * first, f"the head did not learn: {line}"
+
+
 def test_hf_overhead_benchmark(tmp_path: Path) -> None:
     """python benchmarks/hf_overhead.py, tiny: batch 2, 4 new tokens, one timed repeat."""
     out = tmp_path / "r.json"
