@@ -78,7 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--watch-pid", type=int, help="finish and exit when this process is gone")
     con.add_argument("--token", help="the producer's token (default: read beside an ipc:// endpoint)")
     con.add_argument("--discard", action="store_true", help="copy out and release but write nothing (benchmarks)")
-    con.add_argument("--quiet", action="store_true", help="print nothing but warnings")
+    con.add_argument("--quiet", action="store_true", help="print nothing but warnings (no stats lines)")
+    con.add_argument("--stats-s", type=float, default=10.0, help="seconds between stats lines on stderr (default 10)")
+    con.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port)"
+    )
+    con.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds (default: %(default)s)"
+    )
 
     ver = commands.add_parser(
         "verify",
@@ -187,6 +194,7 @@ def _extract(args: argparse.Namespace) -> int:
 def _consume(args: argparse.Namespace) -> int:
     from hscapture.config import ConsumerConfig
     from hscapture.consumer import Consumer
+    from hscapture.metrics import MetricsReporter
 
     config = ConsumerConfig(
         out_dir=args.out,
@@ -202,11 +210,27 @@ def _consume(args: argparse.Namespace) -> int:
         token=args.token,
     )
     consumer = Consumer(config)
+    try:
+        reporter = MetricsReporter(
+            consumer.snapshot,
+            stats_s=None if args.quiet else args.stats_s,
+            port=args.metrics_port,
+            host=args.metrics_host,
+        )
+    except ValueError:
+        consumer.close()
+        raise
+    consumer.on_tick = reporter.tick
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: consumer.stop())
+    if reporter.address is not None:
+        print(f"hscapture consume: metrics at {reporter.address}", file=sys.stderr, flush=True)
     if not args.quiet:
         print(f"consuming {args.endpoint} into {args.out}; Ctrl-C finishes the store and exits", file=sys.stderr)
-    stats = consumer.run()
+    try:
+        stats = consumer.run()
+    finally:
+        reporter.close()
     if not args.quiet:
         print(f"done: {stats.to_dict()}", file=sys.stderr)
     return 0

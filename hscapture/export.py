@@ -73,7 +73,7 @@ class ExportSummary:
     written: int = 0
     #: Samples already in the output from an earlier run (left as they are).
     kept: int = 0
-    #: Incomplete samples left out (all of them, unless ``include_incomplete``).
+    #: Incomplete samples left out (all, unless ``include_incomplete``; then those lacking position 0).
     skipped_incomplete: int = 0
     #: Samples written by this run whose loss mask is empty (nothing in them is trained on).
     empty_loss_mask: int = 0
@@ -117,6 +117,9 @@ def export(options: ExportOptions) -> ExportSummary:
             continue
         index = entry["index"] if entry is not None else len(manifest.entries)
         sample = _contiguous(store.get(key, [*tensors.aux, tensors.final]))
+        if not len(sample["input_ids"]):  # an incomplete sample without position 0: nothing to train on
+            summary.skipped_incomplete += 1
+            continue
         path = writer.path(out, index)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, writer.encode(sample, tensors))
