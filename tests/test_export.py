@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,14 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hscapture import open_store
-from hscapture.consumer import consume_command
 from hscapture.data import load_samples, pad_batch, plan_batches
 from hscapture.export import MANIFEST, ExportOptions, export
 from hscapture.extract import ExtractOptions, extract
 from hscapture.tiny import write_demo_jsonl
-from tests.conftest import wait_attached
 from tests.trainer_readers import SpeculatorsDataset, specforge_item, specforge_list_files
-from tests.workload import Workload, make_config, make_producer
+from tests.workload import Workload
 
 SAMPLES = 24
 BATCH_TOKENS = 512
@@ -46,32 +40,6 @@ def store_dir(tiny_model: Path, demo_data: Path, tmp_path_factory: pytest.TempPa
     )
     assert extract(options).store["complete"] == SAMPLES
     return out
-
-
-@pytest.fixture(scope="module")
-def dropped_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Workload]]:
-    """A streaming store under ``drop`` with a slow consumer process: requests with gaps, and drops."""
-    out = tmp_path_factory.mktemp("dropped")
-    directory = Path(f"/tmp/hsc-test-{uuid.uuid4().hex[:10]}")
-    endpoint = f"ipc://{directory}/ep"
-    consumer = subprocess.Popen(
-        consume_command(endpoint, out, "--quiet", "--heartbeat-ms", "50", "--exit-on-eos", "--delay-ms", "10")
-    )
-    try:
-        producer = make_producer(make_config(endpoint, policy="drop", slots=2, rows_per_slot=16))
-        wait_attached(producer)
-        workload = Workload(seed=3)
-        for step in range(200):  # paced (nothing dropped), then flat out (drops), then paced again
-            workload.step(producer)
-            time.sleep(0.03 if not 60 <= step < 140 else 0)
-        counters = producer.close()
-        assert consumer.wait(60) == 0
-    finally:
-        if consumer.poll() is None:
-            consumer.kill()
-        shutil.rmtree(directory, ignore_errors=True)
-    assert counters.rows_dropped > 0, "the consumer was not slow enough to force drops"
-    yield out, workload
 
 
 def manifest_ids(out: Path) -> dict[int, str]:
@@ -208,9 +176,9 @@ def test_export_refuses_another_kind_of_export_in_the_same_out(store_dir: Path, 
 
 
 def test_missing_tensors_are_named_with_the_capture_option_that_makes_them(
-    tiny_model: Path, demo_data: Path, dropped_store: tuple[Path, Workload], tmp_path: Path
+    tiny_model: Path, demo_data: Path, streaming_store: tuple[Path, Workload], tmp_path: Path
 ) -> None:
-    streaming, _ = dropped_store  # layers 1, 3 and last of a 4-layer model: no layer_4
+    streaming, _ = streaming_store  # layers 1, 3 and last of a 4-layer model: no layer_4
     result = run_cli("export", streaming, tmp_path / "a", "--format", "speculators")
     assert result.returncode == 2
     assert "needs 'layer_4'" in result.stderr and "before the final norm" in result.stderr
@@ -228,9 +196,9 @@ def test_missing_tensors_are_named_with_the_capture_option_that_makes_them(
 
 
 def test_incomplete_samples_are_skipped_or_exported_up_to_their_first_gap(
-    dropped_store: tuple[Path, Workload], tmp_path: Path
+    streaming_store: tuple[Path, Workload], tmp_path: Path
 ) -> None:
-    streaming, workload = dropped_store
+    streaming, workload = streaming_store
     store = open_store(streaming)
     complete = store.keys(complete_only=True)
     incomplete = [key for key in store if key not in complete]
