@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hscapture.config import MiB, default_endpoint
 from hscapture.errors import HSCaptureError
+from hscapture.export import FORMATS
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("dir", type=Path, metavar="DIR", help="store directory")
     exp.add_argument("out", type=Path, metavar="OUT", help="output directory (resumed if it holds this export)")
-    exp.add_argument("--format", required=True, choices=["specforge", "speculators"], help="the trainer's layout")
+    exp.add_argument("--format", required=True, choices=FORMATS, help="the trainer's layout")
     exp.add_argument("--aux-layers", type=_layers, help="aux layer ids (default: every captured layer below L)")
     exp.add_argument("--num-layers", type=int, help="the model's decoder layers L, if the store does not record it")
     exp.add_argument(
