@@ -1,4 +1,5 @@
-"""``hscapture`` command line: ``extract`` (offline), ``serve`` (SGLang with capture), ``consume``, ``verify``."""
+"""``hscapture`` command line: ``extract``, ``serve`` (SGLang with capture), ``consume``, ``verify``, ``export``,
+``inspect``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from hscapture.config import STORE_DTYPES, MiB, default_endpoint
 from hscapture.errors import HSCaptureError
+from hscapture.export import FORMATS
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -97,7 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--token", help="the producer's token (default: read beside an ipc:// endpoint)")
     con.add_argument("--store-dtype", choices=sorted(STORE_DTYPES), help=STORE_DTYPE_HELP)
     con.add_argument("--discard", action="store_true", help="copy out and release but write nothing (benchmarks)")
-    con.add_argument("--quiet", action="store_true", help="print nothing but warnings")
+    con.add_argument("--quiet", action="store_true", help="print nothing but warnings (no stats lines)")
+    con.add_argument("--stats-s", type=float, default=10.0, help="seconds between stats lines on stderr (default 10)")
+    con.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port)"
+    )
+    con.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds (default: %(default)s)"
+    )
 
     srv = commands.add_parser(
         "serve",
@@ -128,12 +137,41 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("dir", type=Path, metavar="DIR", help="store directory")
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
     ver.add_argument("--jobs", type=int, default=4, help="shards checked in parallel (default 4)")
+
+    exp = commands.add_parser(
+        "export",
+        help="write a store as a drafter trainer's training files (SpecForge or speculators)",
+        description="specforge: rows_*/data_{i}.ckpt as SpecForge's offline EAGLE-3 dataset reads them (aux layers "
+        "concatenated, post-norm last state). speculators: an Arrow table plus hidden_states/hs_{i}.safetensors as "
+        "speculators' ArrowDataset reads them (aux layers then layer L, before the final norm). Resumable: a rerun "
+        "writes only what is missing.",
+    )
+    exp.add_argument("dir", type=Path, metavar="DIR", help="store directory")
+    exp.add_argument("out", type=Path, metavar="OUT", help="output directory (resumed if it holds this export)")
+    exp.add_argument("--format", required=True, choices=FORMATS, help="the trainer's layout")
+    exp.add_argument("--aux-layers", type=_layers, help="aux layer ids (default: every captured layer below L)")
+    exp.add_argument("--num-layers", type=int, help="the model's decoder layers L, if the store does not record it")
+    exp.add_argument(
+        "--include-incomplete", action="store_true", help="also export incomplete samples (rows up to the first gap)"
+    )
+    exp.add_argument("--limit", type=int, help="export only the first N eligible samples")
+    exp.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    ins = commands.add_parser(
+        "inspect",
+        help="summarize a store: requests, tokens, tensors, bytes, drops, incomplete samples, runs",
+        description="Reads the index and meta.json only (no shard), so it is quick on any store. Exit status 2: "
+        "DIR is not a store.",
+    )
+    ins.add_argument("dir", type=Path, metavar="DIR", help="store directory")
+    ins.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ins.add_argument("--max-listed", type=int, default=10, help="incomplete samples and runs listed (default 10)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    quiet = args.command == "extract" or getattr(args, "quiet", False)
+    quiet = args.command in ("extract", "export", "inspect") or getattr(args, "quiet", False)
     level = logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -143,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             return _verify(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "export":
+            return _export(args)
+        if args.command == "inspect":
+            return _inspect(args)
         return _consume(args)
     except (ValueError, TypeError) as exc:
         print(f"hscapture {args.command}: error: {exc}", file=sys.stderr)
@@ -215,6 +257,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _consume(args: argparse.Namespace) -> int:
     from hscapture.config import ConsumerConfig
     from hscapture.consumer import Consumer
+    from hscapture.metrics import MetricsReporter
 
     config = ConsumerConfig(
         out_dir=args.out,
@@ -231,11 +274,27 @@ def _consume(args: argparse.Namespace) -> int:
         store_dtype=args.store_dtype,
     )
     consumer = Consumer(config)
+    try:
+        reporter = MetricsReporter(
+            consumer.snapshot,
+            stats_s=None if args.quiet else args.stats_s,
+            port=args.metrics_port,
+            host=args.metrics_host,
+        )
+    except ValueError:
+        consumer.close()
+        raise
+    consumer.on_tick = reporter.tick
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: consumer.stop())
+    if reporter.address is not None:
+        print(f"hscapture consume: metrics at {reporter.address}", file=sys.stderr, flush=True)
     if not args.quiet:
         print(f"consuming {args.endpoint} into {args.out}; Ctrl-C finishes the store and exits", file=sys.stderr)
-    stats = consumer.run()
+    try:
+        stats = consumer.run()
+    finally:
+        reporter.close()
     if not args.quiet:
         print(f"done: {stats.to_dict()}", file=sys.stderr)
     return 0
@@ -267,3 +326,53 @@ def _verify(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # piped into head: the verdict is still the exit status
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if report.ok else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    from hscapture.export import ExportOptions, export
+
+    options = ExportOptions(
+        store=args.dir,
+        out=args.out,
+        format=args.format,
+        aux_layers=args.aux_layers,
+        num_layers=args.num_layers,
+        include_incomplete=args.include_incomplete,
+        limit=args.limit,
+        progress=not args.no_progress,
+    )
+    try:
+        summary = export(options)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; run the same command again to finish {args.out}", file=sys.stderr)
+        return 130
+    lines = [
+        f"{args.format}: wrote {summary.written} samples, {summary.kept} were already there; {args.out} holds "
+        f"{summary.total} (aux {', '.join(summary.aux)}; final {summary.final})"
+    ]
+    if summary.skipped_incomplete:
+        lines.append(
+            f"{summary.skipped_incomplete} incomplete samples skipped "
+            "(--include-incomplete exports their rows up to the first gap)"
+        )
+    if summary.empty_loss_mask:
+        lines.append(
+            f"warning: {summary.empty_loss_mask} samples have an empty loss mask (nothing in them is trained on)"
+        )
+    print("\n".join(lines))
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from hscapture.errors import StoreError
+    from hscapture.inspection import format_inspection, inspect_store
+
+    try:
+        report = inspect_store(args.dir, max_listed=args.max_listed)
+    except StoreError as exc:
+        print(f"hscapture inspect: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_inspection(report))
+    return 0

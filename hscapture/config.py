@@ -8,6 +8,7 @@ received and the allowed range.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -55,6 +56,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"dtype {dtype} is not supported for capture; use one of {sorted(DTYPES)}")
 
 
+def check_layer_ids(layers: Sequence[int], num_layers: int) -> None:
+    """Layer ids of a model with ``num_layers`` decoder layers are ``0..num_layers``.
+
+    Raises:
+        ValueError: an id is out of range; the message gives the range and what its ends mean.
+    """
+    bad = [k for k in layers if not 0 <= k <= num_layers]
+    if bad:
+        raise ValueError(
+            f"layers: {bad} out of range; the model has {num_layers} decoder layers, so ids must be in "
+            f"0..{num_layers} (id k = residual stream entering layer k; {num_layers} = leaving the last layer, "
+            "before the final norm); use capture_last for the post-norm final state"
+        )
+
+
 @dataclass
 class CaptureConfig:
     """Everything a capture run needs; both processes validate the same object.
@@ -62,8 +78,10 @@ class CaptureConfig:
     Layer ids follow one convention everywhere in hscapture: layer ``k`` is the residual
     stream *entering* decoder layer ``k`` (hidden + residual, before its input norm). That is
     HF's ``output_hidden_states[k]`` and SGLang's ``layers_to_capture`` entry ``k`` (which
-    SGLang's Llama setter derives from a requested EAGLE-3 id ``k - 1``). ``capture_last``
-    adds the final hidden state after the model's last norm.
+    SGLang's Llama setter derives from a requested EAGLE-3 id ``k - 1``). Id ``num_layers``
+    is the residual stream leaving the last layer, before the final norm (vLLM's aux layer id
+    ``num_layers``, speculators' verifier state). ``capture_last`` adds the final hidden state
+    after the model's last norm.
     """
 
     #: Decoder layers whose entering residual stream is captured, in store order.
@@ -107,13 +125,7 @@ class CaptureConfig:
             raise ValueError(f"layers: duplicate ids in {list(self.layers)}; list each layer once")
         if self.num_layers is not None:
             _check_int("num_layers", self.num_layers, 1)
-            bad = [k for k in self.layers if not 0 <= k < self.num_layers]
-            if bad:
-                raise ValueError(
-                    f"layers: {bad} out of range; the model has {self.num_layers} decoder layers, so ids "
-                    f"must be in 0..{self.num_layers - 1} (id k = residual stream entering layer k); "
-                    "use capture_last for the post-norm final state"
-                )
+            check_layer_ids(self.layers, self.num_layers)
         elif any(k < 0 for k in self.layers):
             raise ValueError(f"layers: ids must be >= 0, got {list(self.layers)}")
         _check_int("hidden_size", self.hidden_size, 1)

@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import zmq
 from hscapture import protocol
 from hscapture.config import DTYPES, ConsumerConfig
 from hscapture.errors import HSCaptureError, ProtocolError
+from hscapture.metrics import DropTally, Snapshot
 from hscapture.protocol import short_repr
 from hscapture.ring import RingReader, open_ring
 from hscapture.sink import NullSink
@@ -47,6 +49,10 @@ class ConsumerStats:
     requests_finished: int = 0
     messages_rejected: int = 0
     end_of_streams: int = 0
+    #: Rows the producer reported it dropped (``drop`` policy), over all runs.
+    rows_dropped: int = 0
+    #: Rows whose ring slot this consumer released.
+    rows_released: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -64,6 +70,8 @@ class Consumer:
 
     def __init__(self, config: ConsumerConfig) -> None:
         self.config = config
+        #: Called on every turn of the loop (live metrics take their snapshots there).
+        self.on_tick: Callable[[], None] | None = None
         self.consumer_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         if torch.cuda.is_available():
             torch.cuda.init()  # before saying hello: a CUDA ring then opens in a millisecond, not a second
@@ -92,8 +100,12 @@ class Consumer:
         #: The last announcement taken per slot (seq, hash of its bytes): the very same announcement
         #: coming again after a re-attach is released again instead of rejected as a replay.
         self._announced: dict[int, tuple[int, int]] = {}
-        #: Slots whose copies are in flight: (slot, seq, token from RingReader.mark).
-        self._copying: deque[tuple[int, int, Any]] = deque()
+        #: Slots whose copies are in flight: (slot, seq, rows, token from RingReader.mark).
+        self._copying: deque[tuple[int, int, int, Any]] = deque()
+        self._drops = DropTally()
+        #: Ring slots in flight as the producer reported with its last chunk, and releases since.
+        self._ring_used_at_chunk = 0
+        self._released_since_chunk = 0
         self._stopping = False
         self._last_hello = 0.0
         self._closed = False
@@ -128,6 +140,8 @@ class Consumer:
                             return self.stats
                 self._release_copied()
                 self.store.tick()
+                if self.on_tick is not None:
+                    self.on_tick()
                 if self.config.watch_pid is not None and not _alive(self.config.watch_pid):
                     log.warning("process %d is gone; finishing the store", self.config.watch_pid)
                     self.close(f"process {self.config.watch_pid} exited")
@@ -174,6 +188,7 @@ class Consumer:
             elif isinstance(message, protocol.RequestFinished):
                 self.store.finish_request(message)
                 self.stats.requests_finished += 1
+                self.stats.rows_dropped = self._drops.request(message.dropped_rows)
             elif isinstance(message, protocol.EndOfStream):
                 return self._on_end(message)
         except ProtocolError as exc:
@@ -207,7 +222,9 @@ class Consumer:
         self._row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
         self._last_seq = 0
         self._announced = {}
+        self._ring_used_at_chunk = 0
         self.stats.runs += 1
+        self.stats.rows_dropped = self._drops.begin_run()
         self._hello()  # confirms the layout: the producer starts announcing
         log.info("attached to run %s (%d slots of %d bytes)", layout.run_id, layout.num_slots, layout.slot_bytes)
 
@@ -227,9 +244,11 @@ class Consumer:
         log.debug("chunk seq %d slot %d rows %d", chunk.seq, chunk.slot, chunk.rows)
         ring.begin(chunk.slot)
         self.store.add_chunk(chunk, ring)
-        self._copying.append((chunk.slot, chunk.seq, ring.mark()))
+        self._copying.append((chunk.slot, chunk.seq, chunk.rows, ring.mark()))
         self.stats.chunks += 1
         self.stats.rows += chunk.rows
+        self.stats.rows_dropped = self._drops.reported(chunk.dropped_rows)
+        self._ring_used_at_chunk, self._released_since_chunk = chunk.ring_slots_used, 0
         self._release_copied()
 
     def _release_copied(self, wait: bool = False, oldest: bool = False) -> None:
@@ -240,14 +259,16 @@ class Consumer:
         if wait:
             ring.complete()
         elif oldest and self._copying:
-            ring.wait(self._copying[0][2])
-        while self._copying and ring.done(self._copying[0][2]):
-            slot, seq, _ = self._copying.popleft()
+            ring.wait(self._copying[0][3])
+        while self._copying and ring.done(self._copying[0][3]):
+            slot, seq, rows, _ = self._copying.popleft()
             self._send_release(slot, seq)
+            self.stats.rows_released += rows
 
     def _send_release(self, slot: int, seq: int) -> None:
         log.debug("release slot %d seq %d", slot, seq)
         release = protocol.Release(v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=slot, seq=seq)
+        self._released_since_chunk += 1
         try:
             self._release.send(protocol.encode(release), zmq.NOBLOCK)
         except zmq.Again:
@@ -257,12 +278,33 @@ class Consumer:
         if message.run_id != self.run_id:
             return False
         self._release_copied(wait=True)  # the producer frees its ring once every slot is back
+        self.stats.rows_dropped = self._drops.reported(message.counters.get("rows_dropped", 0))
         self.store.end_run("end of stream", message.counters)
         self._close_ring()
         self._layout = None
         self.stats.end_of_streams += 1
         log.info("run %s ended: %s", message.run_id, message.counters)
         return True
+
+    def snapshot(self) -> Snapshot:
+        """The counters live metrics show (see :mod:`hscapture.metrics`)."""
+        layout = self._layout
+        in_flight = self._ring_used_at_chunk - self._released_since_chunk  # the producer's figure, aged by our releases
+        return Snapshot(
+            time=time.monotonic(),
+            attached=layout is not None,
+            runs=self.stats.runs,
+            rows_captured=self.stats.rows,
+            rows_dropped=self.stats.rows_dropped,
+            rows_written=self.store.rows_durable,
+            bytes_written=self.store.bytes_durable,
+            rows_unreleased=self.stats.rows - self.stats.rows_released,
+            rows_unwritten=self.store.rows_written - self.store.rows_durable,
+            ring_slots=0 if layout is None else layout.num_slots,
+            ring_slots_used=0 if layout is None else min(layout.num_slots, max(0, in_flight)),
+            requests_finished=self.stats.requests_finished,
+            messages_rejected=self.stats.messages_rejected,
+        )
 
     def _producer_died(self) -> bool:
         """End the run if the producer's process is gone (checked once per heartbeat)."""

@@ -227,7 +227,10 @@ def extract(options: ExtractOptions) -> ExtractSummary:
 
         try:
             producer = Producer(
-                config, tensor_descriptions=describe(layers, options.capture_last), meta=meta, watchdog=consumer_alive
+                config,
+                tensor_descriptions=describe(layers, options.capture_last, num_layers),
+                meta=meta,
+                watchdog=consumer_alive,
             )
         except BaseException:
             consumer.kill()

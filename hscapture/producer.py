@@ -236,6 +236,7 @@ class Producer:
             token_ids=protocol.pack_rows(token_ids),
             dropped_rows=self.counters.rows_dropped,
             row_stride=row_stride,
+            ring_slots_used=len(self._in_flight) + 1,
         )
         payload = protocol.encode(chunk)
         if not self._send(payload):

@@ -98,6 +98,9 @@ class Chunk(Message, tag="chunk"):
     #: Rows between the starts of two tensors' planes in the slot (0: packed, = ``rows``).
     #: A CUDA-graph write fills a fixed batch of which only the first ``rows`` are real.
     row_stride: int = 0
+    #: Ring slots announced and not yet released when this chunk was sent, this one included
+    #: (0: not reported). The consumer shows it as the ring's occupancy.
+    ring_slots_used: int = 0
 
 
 class RequestFinished(Message, tag="finished"):

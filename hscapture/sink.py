@@ -24,6 +24,9 @@ class NullSink:
         self.barrier: Callable[[], None] = lambda: None
         self.rows_written = 0
         self.bytes_copied = 0
+        #: As the store's: rows done with (here, once copied) and bytes written (none).
+        self.rows_durable = 0
+        self.bytes_durable = 0
         self._buffer: np.ndarray | None = None
 
     def begin_run(self, layout: protocol.Layout) -> None:
@@ -33,6 +36,7 @@ class NullSink:
         assert self._buffer is not None, "begin_run first"
         source.copy_into(chunk.offset, self._buffer[: chunk.nbytes])
         self.rows_written += chunk.rows
+        self.rows_durable += chunk.rows
         self.bytes_copied += chunk.nbytes
 
     def finish_request(self, message: protocol.RequestFinished) -> None:

@@ -230,6 +230,9 @@ class StoreWriter:
         self._requests: dict[str, _Request] = {}
         self.rows_written = 0
         self.requests_written = 0
+        #: Rows and bytes of the shards indexed so far (durable), for live metrics.
+        self.rows_durable = 0
+        self.bytes_durable = 0
         #: Host memory for shard buffers; the CUDA consumer swaps in pinned memory.
         self.allocate: Callable[[int], np.ndarray] = _pageable
         #: Called before a shard buffer is handed to a writer: waits for copies still in flight.
@@ -440,8 +443,11 @@ class StoreWriter:
             error = future.exception()
             if error is not None:
                 raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {_KEPT}") from error
-            self._append(future.result())
+            line = future.result()
+            self._append(line)
             self._indexed.add(shard_id)
+            self.rows_durable += line["rows"]
+            self.bytes_durable += line["bytes"]
         for request_id, request in list(self._requests.items()):
             if request.finished is None and not request.end_reason:
                 continue

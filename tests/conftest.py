@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -13,6 +14,7 @@ import pytest
 
 from hscapture.consumer import consume_command
 from hscapture.producer import Producer
+from tests.workload import Workload, make_config, make_producer
 
 
 @pytest.fixture
@@ -101,3 +103,29 @@ def tiny_store(tiny_model: Path, tiny_demo_data: Path, tmp_path_factory: pytest.
 def tiny_store_fp8(tiny_model: Path, tiny_demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same extraction (same batches, so the same captured rows) stored with ``--store-dtype fp8``."""
     return _extract_tiny(tiny_model, tiny_demo_data, tmp_path_factory.mktemp("tiny-fp8"), "fp8")
+
+
+@pytest.fixture(scope="session")
+def streaming_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Workload]]:
+    """A streaming store under ``drop`` with a consumer process slow at times: complete requests, gaps, drops."""
+    out = tmp_path_factory.mktemp("dropped")
+    directory = Path(f"/tmp/hsc-test-{uuid.uuid4().hex[:10]}")
+    endpoint = f"ipc://{directory}/ep"
+    consumer = subprocess.Popen(
+        consume_command(endpoint, out, "--quiet", "--heartbeat-ms", "50", "--exit-on-eos", "--delay-ms", "10")
+    )
+    try:
+        producer = make_producer(make_config(endpoint, policy="drop", slots=2, rows_per_slot=16))
+        wait_attached(producer)
+        workload = Workload(seed=3)
+        for step in range(200):  # paced (nothing dropped), then flat out (drops), then paced again
+            workload.step(producer)
+            time.sleep(0.03 if not 60 <= step < 140 else 0)
+        counters = producer.close()
+        assert consumer.wait(60) == 0
+    finally:
+        if consumer.poll() is None:
+            consumer.kill()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert counters.rows_dropped > 0, "the consumer was not slow enough to force drops"
+    yield out, workload

@@ -76,19 +76,19 @@ def test_tcp_endpoint_is_accepted() -> None:
 # --------------------------------------------------------------------------- layers
 
 
-@pytest.mark.parametrize("bad", [4, 7, 100])
+@pytest.mark.parametrize("bad", [5, 7, 100])
 def test_layer_out_of_range_names_the_valid_range(bad: int) -> None:
     with pytest.raises(ValueError, match=r"^layers: ") as exc:
         make(layers=(0, bad), num_layers=4)
     message = str(exc.value)
     assert f"[{bad}] out of range" in message
-    assert "0..3" in message
+    assert "0..4" in message
     assert "4 decoder layers" in message
     assert "capture_last" in message
 
 
 def test_negative_layer_with_num_layers_is_out_of_range() -> None:
-    with pytest.raises(ValueError, match=r"layers: \[-1\] out of range.*0\.\.3"):
+    with pytest.raises(ValueError, match=r"layers: \[-1\] out of range.*0\.\.4"):
         make(layers=(-1, 2), num_layers=4)
 
 

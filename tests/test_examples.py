@@ -125,6 +125,18 @@ def test_train_reader_example(tmp_path: Path) -> None:
     assert last < 0.8 * first, f"the head did not learn: {line}"
 
 
+def test_export_specforge_example(tmp_path: Path) -> None:
+    """python examples/export_specforge.py --out DIR --samples 6: capture, export, load as SpecForge does."""
+    out = tmp_path / "hs-specforge"
+    result = run_script("examples/export_specforge.py", "--out", out, "--samples", "6")
+    assert "exported 6 samples" in result.stdout and "aux layer_2, layer_4, layer_5; final last" in result.stdout
+    assert "loaded 6 files as SpecForge does; each equals the store, bit for bit" in result.stdout
+    assert "aux_hidden_state  (1, " in result.stdout and ", 768) torch.bfloat16" in result.stdout
+    assert len(list((out / "specforge").rglob("data_*.ckpt"))) == 6
+    rerun = run_script("examples/export_specforge.py", "--out", out, "--samples", "6")
+    assert "exported 6 samples" in rerun.stdout, "a rerun finds everything done and changes nothing"
+
+
 def test_hf_overhead_benchmark(tmp_path: Path) -> None:
     """python benchmarks/hf_overhead.py, tiny: batch 2, 4 new tokens, one timed repeat."""
     out = tmp_path / "r.json"

@@ -155,7 +155,7 @@ def test_interrupted_extraction_resumes_with_each_sample_once(tiny_model: Path, 
 def test_cli_bad_configuration_fails_fast_with_clear_messages(tiny_model: Path, demo_data: Path, tmp_path: Path):
     base = ["extract", "--model", str(tiny_model), "--data", str(demo_data), "--no-progress"]
     cases = [
-        ([*base, "--out", str(tmp_path / "a"), "--layers", "2,99"], "[99] out of range", "0..7"),
+        ([*base, "--out", str(tmp_path / "a"), "--layers", "2,99"], "[99] out of range", "0..8"),
         ([*base, "--out", str(demo_data / "sub")], "--out", "not writable"),
         ([*base, "--out", str(tmp_path / "b"), "--dtype", "int8"], "--dtype", "not supported"),
         (["consume", "--out", str(demo_data / "sub")], "out_dir", "not writable"),

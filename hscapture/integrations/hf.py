@@ -2,8 +2,10 @@
 
 Layer ``k`` is the residual stream entering decoder layer ``k`` (the decoder layer's input,
 which in HF already is hidden + residual, before the layer's input norm): HF's
-``output_hidden_states[k]``, and SGLang's ``layers_to_capture`` entry ``k``. ``last`` is the
-output of the model's final norm: HF's ``output_hidden_states[-1]``, what the LM head reads.
+``output_hidden_states[k]``, and SGLang's ``layers_to_capture`` entry ``k``. Layer ``L`` (the
+number of decoder layers) is the final norm's input, the residual stream leaving the last layer:
+vLLM's aux layer id ``L``, which HF's ``output_hidden_states`` lacks. ``last`` is the output of
+the model's final norm: HF's ``output_hidden_states[-1]``, what the LM head reads.
 
 The hooks only keep references during the forward; :meth:`HFCapture.collect` hands them
 to the producer right after it, which copies the kept rows into the ring. HF's eager
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from hscapture.config import check_layer_ids
 
 LAST = "last"
 
@@ -48,10 +52,13 @@ def eagle3_default_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({2, num_layers // 2, num_layers - 3}))
 
 
-def describe(layers: Sequence[int], capture_last: bool) -> list[str]:
+def describe(layers: Sequence[int], capture_last: bool, num_layers: int | None = None) -> list[str]:
     """One sentence per captured tensor saying exactly what it is (stored with the data)."""
     out = [
-        f"residual stream entering decoder layer {k} (hidden + residual before its input norm); "
+        f"residual stream leaving the last decoder layer {k - 1} (hidden + residual, the final norm's input); "
+        f"vLLM aux layer id {k}, speculators' verifier last hidden state; not in HF output_hidden_states"
+        if k == num_layers
+        else f"residual stream entering decoder layer {k} (hidden + residual before its input norm); "
         f"HF output_hidden_states[{k}], SGLang layers_to_capture {k}"
         for k in layers
     ]
@@ -65,7 +72,7 @@ class HFCapture:
 
     Args:
         model: a transformers causal LM (Llama family layout).
-        layers: decoder layer ids, ``0 <= k < num_layers``.
+        layers: layer ids, ``0 <= k <= num_layers`` (``num_layers``: the final norm's input).
         capture_last: also keep the final norm's output.
 
     Raises:
@@ -75,20 +82,14 @@ class HFCapture:
     def __init__(self, model: nn.Module, layers: Sequence[int], capture_last: bool = True) -> None:
         decoder_layers, norm = decoder_parts(model)
         self.num_layers = len(decoder_layers)
-        bad = [k for k in layers if not 0 <= k < self.num_layers]
-        if bad:
-            raise ValueError(
-                f"layers: {bad} out of range; the model has {self.num_layers} decoder layers, so ids must be in "
-                f"0..{self.num_layers - 1} (id k = residual stream entering layer k); the final post-norm state "
-                "is captured with capture_last"
-            )
+        check_layer_ids(layers, self.num_layers)
         self.layers = tuple(layers)
         self.capture_last = capture_last
         self.names = [f"layer_{k}" for k in self.layers] + ([LAST] if capture_last else [])
         self._kept: dict[str, torch.Tensor] = {}
+        entering = [*decoder_layers, norm]  # what layer id k enters: decoder layer k, or the final norm for k = L
         self._handles = [
-            decoder_layers[k].register_forward_pre_hook(self._keep_input(f"layer_{k}"), with_kwargs=True)
-            for k in self.layers
+            entering[k].register_forward_pre_hook(self._keep_input(f"layer_{k}"), with_kwargs=True) for k in self.layers
         ]
         if capture_last:
             self._handles.append(norm.register_forward_hook(self._keep_output(LAST)))

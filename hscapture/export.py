@@ -1,0 +1,358 @@
+"""Export a store into the files a drafter trainer reads: SpecForge's offline EAGLE-3 data, or speculators'.
+
+``specforge``: one ``torch.save``'d dict per sample, ``rows_{g}-{g+2000}/data_{i}.ckpt``, as
+SpecForge's ``scripts/prepare_hidden_states.py`` writes and its ``OfflineEagle3Dataset`` reads:
+``input_ids`` and ``loss_mask`` ``[seq]`` int64, ``hidden_state`` ``[1, seq, H]`` (the post-norm
+final state, ``last``) and ``aux_hidden_state`` ``[1, seq, n*H]`` (the aux layers concatenated,
+in ascending layer order).
+
+``speculators``: what its ``ArrowDataset`` reads from a data directory: a datasets Arrow table
+(``input_ids``, ``loss_mask``, ``seq_len``; row ``i``) and ``hidden_states/hs_{i}.safetensors``
+with ``token_ids`` ``[seq]`` int64 and ``hidden_states`` ``[seq, n+1, H]``: the aux layers in
+ascending order, then layer ``L``, the residual stream leaving the last decoder layer *before*
+the final norm (vLLM's aux id ``L``; speculators applies the verifier's norm to it itself).
+
+Sample ``i`` keeps its number across reruns: ``hscapture-export.jsonl`` in the output directory
+lists every file once it is durable, so an interrupted export resumes where it stopped and a
+rerun after more capture adds only the new samples.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from tqdm import tqdm
+
+from hscapture.errors import StoreError
+from hscapture.reader import Store, open_store
+from hscapture.store import write_atomic
+
+FORMATS = ("specforge", "speculators")
+MANIFEST = "hscapture-export.jsonl"
+MANIFEST_VERSION = 1
+#: Files per ``rows_{start}-{end}`` folder, as SpecForge's prepare_hidden_states.py groups them.
+SPECFORGE_GROUP = 2000
+LAST = "last"
+_LAYER = re.compile(r"layer_(\d+)")
+
+
+@dataclass
+class ExportOptions:
+    """What ``hscapture export`` does; every field has the CLI flag of the same name."""
+
+    #: The hscapture store to read.
+    store: Path
+    #: Output directory (created; resumed if it holds an export of the same kind).
+    out: Path
+    #: ``specforge`` or ``speculators``.
+    format: str
+    #: Aux layer ids to export, ascending in the output; None = every captured layer below ``L``.
+    aux_layers: tuple[int, ...] | None = None
+    #: The model's decoder layer count ``L``, when the store's runs do not record it.
+    num_layers: int | None = None
+    #: Also export incomplete samples (their rows from position 0 up to the first gap).
+    include_incomplete: bool = False
+    #: Export only the first this many eligible samples of the store.
+    limit: int | None = None
+    #: Show a progress bar.
+    progress: bool = True
+
+
+@dataclass
+class ExportSummary:
+    #: Sample files written by this run.
+    written: int = 0
+    #: Samples already in the output from an earlier run (left as they are).
+    kept: int = 0
+    #: Incomplete samples left out (all, unless ``include_incomplete``; then those lacking position 0).
+    skipped_incomplete: int = 0
+    #: Samples written by this run whose loss mask is empty (nothing in them is trained on).
+    empty_loss_mask: int = 0
+    #: Samples the output holds now.
+    total: int = 0
+    #: The aux tensors (in output order) and the final one.
+    aux: list[str] = field(default_factory=list)
+    final: str = ""
+
+
+@dataclass(frozen=True)
+class _Tensors:
+    aux: list[str]
+    final: str
+
+
+def export(options: ExportOptions) -> ExportSummary:
+    """Write the export; see the module docstring.
+
+    Raises:
+        ValueError: unknown format, or the store lacks a tensor the format needs (the message
+            names it and the capture option that produces it), or ``out`` holds another export.
+        StoreError: ``store`` is not a store.
+    """
+    if options.format not in FORMATS:
+        raise ValueError(f"--format: {options.format!r} is unknown; use one of {', '.join(FORMATS)}")
+    if options.limit is not None and options.limit < 0:
+        raise ValueError(f"--limit: {options.limit} is negative; give how many samples to export")
+    store = open_store(options.store)
+    tensors = choose_tensors(store, options.format, options.aux_layers, options.num_layers)
+    writer = _WRITERS[options.format]
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = _Manifest(out, {"format": options.format, "aux": tensors.aux, "final": tensors.final})
+    summary = ExportSummary(aux=tensors.aux, final=tensors.final)
+    keys = _eligible(store, options, summary)
+    for key in tqdm(keys, unit="sample", desc=f"export {options.format}", disable=not options.progress):
+        entry = manifest.entries.get(key)
+        if entry is not None and (out / entry["file"]).exists():
+            summary.kept += 1
+            continue
+        index = entry["index"] if entry is not None else len(manifest.entries)
+        sample = _contiguous(store.get(key, [*tensors.aux, tensors.final]))
+        if not len(sample["input_ids"]):  # an incomplete sample without position 0: nothing to train on
+            summary.skipped_incomplete += 1
+            continue
+        path = writer.path(out, index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, writer.encode(sample, tensors))
+        manifest.add({"index": index, "id": key, "rows": len(sample["input_ids"]), "file": str(path.relative_to(out))})
+        summary.written += 1
+        summary.empty_loss_mask += not bool(sample["loss_mask"].any())
+    summary.total = len(manifest.entries)
+    if writer.finish is not None:
+        writer.finish(out, store, manifest, summary.written > 0, options.progress)
+    return summary
+
+
+def choose_tensors(store: Store, format: str, aux_layers: tuple[int, ...] | None, num_layers: int | None) -> _Tensors:
+    """The store's tensors that make the format's aux and final states, or a clear error."""
+    names = store.tensor_names
+    layers = sorted(int(m.group(1)) for name in names if (m := _LAYER.fullmatch(name)))
+    total = num_layers if num_layers is not None else _recorded_num_layers(store)
+    holds = f"{store.root} holds {names}"
+    if aux_layers is None:
+        aux = [k for k in layers if total is None or k < total]
+    else:
+        missing = sorted(set(aux_layers) - set(layers))
+        if missing:
+            raise ValueError(
+                f"--aux-layers: {missing} not captured; {holds}. Capture them: hscapture extract --layers "
+                f"{','.join(map(str, sorted({*layers, *aux_layers})))} (or CaptureConfig(layers=...))"
+            )
+        aux = sorted(set(aux_layers))
+    if not aux:
+        raise ValueError(
+            f"--format {format} needs aux layers (EAGLE-3: three, 2,L/2,L-3 by default); {holds}. "
+            "Capture them: hscapture extract --layers 2,16,29 (for L=32), or CaptureConfig(layers=...)"
+        )
+    if format == "specforge":
+        if LAST not in names:
+            raise ValueError(
+                f"--format specforge needs '{LAST}', the hidden state after the model's final norm (SpecForge's "
+                f"hidden_state); {holds}. Capture it: hscapture extract without --no-last, or "
+                "CaptureConfig(capture_last=True)"
+            )
+        return _Tensors([f"layer_{k}" for k in aux], LAST)
+    if total is None:
+        raise ValueError(
+            f"--format speculators needs layer L, the residual stream leaving the last decoder layer, and the store "
+            f"{store.root} does not record how many decoder layers the model has; give it with --num-layers"
+        )
+    final = f"layer_{total}"
+    if final not in names:
+        raise ValueError(
+            f"--format speculators needs '{final}': the residual stream leaving the last decoder layer, before the "
+            f"final norm (vLLM aux layer id {total}; speculators applies the verifier's norm to it, so '{LAST}', "
+            f"taken after the norm, cannot stand in); {holds}. Capture it: hscapture extract --layers "
+            f"{','.join(map(str, [*aux, total]))} (or CaptureConfig(layers=(..., {total})))"
+        )
+    return _Tensors([f"layer_{k}" for k in aux], final)
+
+
+def _recorded_num_layers(store: Store) -> int | None:
+    """The decoder layer count the store's runs recorded in their capture config (None if none did)."""
+    counts = {
+        run["meta"]["config"]["num_layers"]
+        for run in store.metadata()["runs"]
+        if isinstance(run.get("meta", {}).get("config"), dict) and run["meta"]["config"].get("num_layers")
+    }
+    if len(counts) > 1:
+        raise ValueError(f"{store.root}: runs captured models with {sorted(counts)} decoder layers; export one model")
+    return counts.pop() if counts else None
+
+
+def _eligible(store: Store, options: ExportOptions, summary: ExportSummary) -> list[str]:
+    """Keys to export in store order; incomplete ones counted as skipped unless included."""
+    keys = []
+    for key in store:
+        if store.record(key)["status"] != "complete" and not options.include_incomplete:
+            summary.skipped_incomplete += 1
+            continue
+        keys.append(key)
+    return keys if options.limit is None else keys[: options.limit]
+
+
+def _contiguous(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rows at positions 0, 1, 2, ... up to the first gap: both trainers read position = row.
+
+    A complete sample is all of its rows; an incomplete one (with ``include_incomplete``) keeps
+    its prefix before the first missing or repeated position.
+    """
+    positions = sample.pop("positions")
+    wrong = torch.nonzero(positions != torch.arange(len(positions)))
+    n = int(wrong[0]) if len(wrong) else len(positions)
+    return {name: value[:n] for name, value in sample.items()}
+
+
+# ---------------------------------------------------------------------------------------- formats
+
+
+@dataclass(frozen=True)
+class _Writer:
+    path: Callable[[Path, int], Path]
+    encode: Callable[[dict[str, torch.Tensor], _Tensors], bytes]
+    #: Runs once after the sample files (with whether any was written, and the progress flag).
+    finish: Callable[[Path, Store, _Manifest, bool, bool], None] | None = None
+
+
+def _specforge_path(out: Path, index: int) -> Path:
+    group = index // SPECFORGE_GROUP * SPECFORGE_GROUP
+    return out / f"rows_{group}-{group + SPECFORGE_GROUP}" / f"data_{index}.ckpt"
+
+
+def _specforge_encode(sample: dict[str, torch.Tensor], tensors: _Tensors) -> bytes:
+    record = {
+        "input_ids": sample["input_ids"].clone(),  # clones: torch.save writes a view's whole storage
+        "loss_mask": sample["loss_mask"].clone(),
+        "hidden_state": sample[tensors.final].clone()[None],
+        "aux_hidden_state": torch.cat([sample[name] for name in tensors.aux], dim=-1)[None],
+    }
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    return buffer.getvalue()
+
+
+def _speculators_path(out: Path, index: int) -> Path:
+    return out / "hidden_states" / f"hs_{index}.safetensors"
+
+
+def _speculators_encode(sample: dict[str, torch.Tensor], tensors: _Tensors) -> bytes:
+    states = torch.stack([sample[name] for name in [*tensors.aux, tensors.final]], dim=1)
+    return safetensors.torch.save({"hidden_states": states, "token_ids": sample["input_ids"].contiguous()})
+
+
+def _speculators_table(out: Path, store: Store, manifest: _Manifest, changed: bool, progress: bool) -> None:
+    """The Arrow table speculators' ArrowDataset loads with ``datasets.load_from_disk(out)``.
+
+    Row ``i`` holds sample ``i``'s ``input_ids``, ``loss_mask`` and ``seq_len``. It is written
+    into a temporary directory and moved in, ``state.json`` last, whenever samples were added.
+    """
+    if not changed and (out / "state.json").exists():
+        return
+    try:
+        import datasets
+        import numpy as np
+        import pyarrow as pa
+    except ImportError:
+        raise ValueError(
+            "--format speculators writes the token table with the datasets library, which is not installed: "
+            "pip install 'hscapture[export]'"
+        ) from None
+    entries = sorted(manifest.entries.values(), key=lambda e: e["index"])
+    if [e["index"] for e in entries] != list(range(len(entries))):
+        raise StoreError(f"{out / MANIFEST}: sample numbers are not 0..{len(entries) - 1}; export into a new --out")
+    ids, masks = [], []
+    for entry in entries:
+        sample = store.get(entry["id"], tensors=[])
+        ids.append(sample["input_ids"][: entry["rows"]].numpy())
+        masks.append(sample["loss_mask"][: entry["rows"]].numpy())
+    lengths = np.array([len(a) for a in ids], dtype=np.int64)
+    ends = np.concatenate([[0], np.cumsum(lengths)])
+    large = ends[-1] >= 2**31  # past 32-bit list offsets: Arrow's large list
+    offsets = pa.array(ends, pa.int64() if large else pa.int32())
+    lists = pa.LargeListArray if large else pa.ListArray
+
+    def column(parts: list[Any]) -> Any:
+        values = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        return lists.from_arrays(offsets, pa.array(values, pa.int64()))
+
+    table = pa.table({"input_ids": column(ids), "loss_mask": column(masks), "seq_len": pa.array(lengths)})
+    dataset = datasets.Dataset(table)
+    dataset.set_format("torch")  # as speculators' prepare_data saves it: rows come back as int64 tensors
+    staging = out / ".table.tmp"
+    shown = datasets.is_progress_bar_enabled()
+    if not progress:
+        datasets.disable_progress_bars()
+    try:
+        dataset.save_to_disk(str(staging))
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+    moved = sorted(staging.iterdir(), key=lambda p: p.name == "state.json")
+    for stale in out.glob("data-*.arrow"):
+        if not (staging / stale.name).exists():
+            stale.unlink()
+    for path in moved:
+        os.replace(path, out / path.name)
+    staging.rmdir()
+
+
+_WRITERS = {
+    "specforge": _Writer(_specforge_path, _specforge_encode),
+    "speculators": _Writer(_speculators_path, _speculators_encode, _speculators_table),
+}
+
+
+# ---------------------------------------------------------------------------------------- manifest
+
+
+class _Manifest:
+    """``hscapture-export.jsonl``: a header line, then one line per sample file once it is durable."""
+
+    def __init__(self, out: Path, header: dict[str, Any]) -> None:
+        self.path = out / MANIFEST
+        self.entries: dict[str, dict[str, Any]] = {}
+        header = {"type": "export", "version": MANIFEST_VERSION, **header}
+        lines = self._read()
+        if not lines:
+            self._append(header)
+            return
+        found = {k: lines[0].get(k) for k in header}
+        if found != header:
+            raise ValueError(
+                f"--out: {self.path.parent} holds another export ({found}); this one is {header}. "
+                "Export into another --out directory"
+            )
+        for line in lines[1:]:
+            self.entries[line["id"]] = line
+
+    def add(self, entry: dict[str, Any]) -> None:
+        self.entries[entry["id"]] = {"type": "sample", **entry}
+        self._append(self.entries[entry["id"]])
+
+    def _read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        data = self.path.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]  # a line without its newline is a crash mid-append: cut it
+        if len(whole) < len(data):
+            with self.path.open("r+b") as handle:
+                handle.truncate(len(whole))
+        try:
+            return [json.loads(line) for line in whole.splitlines()]
+        except json.JSONDecodeError as exc:
+            raise StoreError(f"{self.path}: not JSON lines ({exc}); export into a new --out") from None
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with self.path.open("ab") as handle:
+            handle.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+            handle.flush()
+            os.fsync(handle.fileno())
