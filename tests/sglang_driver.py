@@ -48,7 +48,8 @@ def main() -> None:
         # Without the aux flags SGLang returns the post-norm last layer, once asked to return states at all.
         **(engine_kwargs() if args.capture or args.aux else {"enable_return_hidden_states": True}),
     )
-    prompts = json.loads(open(args.prompts).read())
+    with open(args.prompts) as f:
+        prompts = json.load(f)
     try:
         outputs = engine.generate(
             input_ids=prompts,

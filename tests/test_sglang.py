@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from hscapture.consumer import consume_command
-from hscapture.integrations.sglang import ENV, PluginSettings
+from hscapture.integrations.sglang import ENV, PluginSettings, load_plugin
 from hscapture.reader import open_store
 from hscapture.verify import verify_store
 
@@ -49,6 +49,27 @@ def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(ENV, None)
     return env
+
+
+def test_plugin_is_inert_unless_switched_on_and_refuses_bad_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    before = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
+    monkeypatch.delenv(ENV, raising=False)
+    load_plugin()
+    assert {target: list(hooks) for target, hooks in HookRegistry._hooks.items()} == before
+    monkeypatch.setenv(ENV, '{"endpoint": "ipc:///tmp/x", "colour": "blue"}')
+    with pytest.raises(ValueError, match="HSCAPTURE_SGLANG: not valid capture settings"):
+        load_plugin()
+    assert PluginSettings.from_env(PluginSettings(endpoint="ipc:///tmp/x").to_env()).endpoint == "ipc:///tmp/x"
+
+
+def test_serve_refuses_pipeline_parallelism_and_a_missing_model(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "hscapture", "serve", "--out", str(tmp_path / "s"), "--"]
+    done = subprocess.run([*command, "--model-path", "m", "--pp-size", "2"], capture_output=True, text=True)
+    assert done.returncode == 2 and "pipeline parallelism" in done.stderr
+    done = subprocess.run([*command, "--port", "1"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--model-path" in done.stderr
 
 
 def run_engine(model: Path, tmp: Path, name: str, *options: str, env: dict[str, str] | None = None) -> list[dict]:
@@ -183,7 +204,8 @@ def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
         for i in range(2)
     ]
     threads = [threading.Thread(target=ask, args=(b,)) for b in bodies]
-    threads += [threading.Thread(target=_abort_after_first_chunks, args=(f"{base}/v1/chat/completions", b)) for b in aborted]
+    url = f"{base}/v1/chat/completions"
+    threads += [threading.Thread(target=_abort_after_first_chunks, args=(url, b)) for b in aborted]
     for t in threads:
         t.start()
     for t in threads:
