@@ -317,6 +317,12 @@ class ServingLoop:
         self.device = device
         self.work = work
         self.dtype = torch.bfloat16
+        # Consumers first: their start-up (imports, CUDA context) overlaps the model's construction.
+        self.endpoints = {policy: gpu_ring.endpoint(f"serve-{policy}") for policy in POLICIES}
+        self.consumers: dict[str, subprocess.Popen[Any]] = {}
+        for policy, endpoint in self.endpoints.items():
+            command = consume_command(endpoint, work / f"store-{policy}", "--exit-on-eos", "--quiet")
+            self.consumers[policy] = subprocess.Popen([*command, "--watch-pid", str(os.getpid())])
         torch.manual_seed(0)
         self.model = random_llama(settings["dims"], device, self.dtype)
         config = self.model.config
@@ -338,14 +344,13 @@ class ServingLoop:
             for bs in settings["batches"]
         }
         self.producers: dict[str, Producer] = {}
-        self.consumers: dict[str, subprocess.Popen[Any]] = {}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.variants: list[Variant] = []
 
     # ------------------------------------------------------------------ setup
 
     def start_capture(self) -> None:
-        """A producer and a consumer process (writing a store under the work dir) per policy."""
+        """A producer per policy, attached to its consumer process (writing a store under the work dir)."""
         s = self.settings
         hidden = self.model.config.hidden_size
         for policy in POLICIES:
@@ -359,11 +364,9 @@ class ServingLoop:
                 ring_bytes=s["ring_slots"] * s["slot_mib"] * MiB,
                 max_step_rows=max(s["prefill_tokens"], *s["batches"]),
                 policy=policy,  # type: ignore[arg-type]
-                endpoint=gpu_ring.endpoint(f"serve-{policy}"),
+                endpoint=self.endpoints[policy],
                 block_timeout_s=300.0,
             )
-            command = consume_command(config.endpoint, self.work / f"store-{policy}", "--exit-on-eos", "--quiet")
-            self.consumers[policy] = subprocess.Popen([*command, "--watch-pid", str(os.getpid())])
             self.producers[policy] = Producer(
                 config,
                 tensor_descriptions=describe(self.aux_layers, True),
@@ -453,6 +456,9 @@ class ServingLoop:
             except Exception as exc:  # a failed store is a finding, not a reason to lose the figures
                 summary["store"] = {"error": f"{type(exc).__name__}: {exc}"}
             summaries[policy] = summary
+        for policy, consumer in self.consumers.items():
+            if policy not in self.producers:  # never attached (the run failed before): nothing to finish
+                gpu_ring.stop_process(consumer)
         self.producers.clear()
         return summaries
 
@@ -485,7 +491,7 @@ class ServingLoop:
             tokens = ids.cpu().numpy()  # the engine reads its sampled tokens back every step
         sync(self.device)
         seconds = time.perf_counter() - started
-        variant.finish(request_ids, steps)
+        variant.finish(request_ids, context + steps)  # the prompt rows were never captured: incomplete
         variant.settle()
         return seconds, hook_ns / steps / 1e3
 
@@ -856,7 +862,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
         section("drain", lambda: bench_drain(settings, device))
         section("store", lambda: bench_store(settings, device, work))
     finally:
-        if loop is not None and loop.producers:
+        if loop is not None and (loop.producers or any(c.poll() is None for c in loop.consumers.values())):
             loop.close()
         gpu_ring.stop_children()
         gpu_ring.remove_endpoints()
