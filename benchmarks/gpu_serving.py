@@ -37,7 +37,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -204,24 +204,31 @@ class Variant:
         """After a timed loop, untimed: let background work of this variant finish."""
 
 
-class RingVariant(Variant):
-    """hscapture: the graph-safe ring write under replay, ``capture_step`` in an eager step."""
+class RingWrites(Variant):
+    """The in-graph ring write: one ``GraphRingWriter`` per graphed batch size, writing inside the graph."""
 
-    def __init__(self, producer: Producer, consumer: subprocess.Popen[Any]) -> None:
+    def __init__(self, producer: Producer) -> None:
         self.producer = producer
-        self.consumer = consumer
-        self.name = producer.config.policy
-        self.graph_key = f"ring-{self.name}"
         self.writers: dict[int, GraphRingWriter] = {}
-
-    def prepare(self, rows: int, graphed: bool) -> None:
-        if graphed:
-            self.writers[rows] = GraphRingWriter(self.producer, batch_rows=rows)
 
     def inside(self, rows: int, states: Sequence[torch.Tensor]) -> None:
         writer = self.writers.get(rows)
         if writer is not None:
             writer.write(states)
+
+
+class RingVariant(RingWrites):
+    """hscapture: the graph-safe ring write under replay, ``capture_step`` in an eager step."""
+
+    def __init__(self, producer: Producer, consumer: subprocess.Popen[Any]) -> None:
+        super().__init__(producer)
+        self.consumer = consumer
+        self.name = producer.config.policy
+        self.graph_key = f"ring-{self.name}"
+
+    def prepare(self, rows: int, graphed: bool) -> None:
+        if graphed:
+            self.writers[rows] = GraphRingWriter(self.producer, batch_rows=rows)
 
     def before(self, meta: StepMeta) -> None:
         if meta.graphed:
@@ -242,6 +249,23 @@ class RingVariant(Variant):
 
     def settle(self) -> None:
         gpu_ring.wait_released(self.producer, self.consumer, timeout_s=300.0)
+
+
+class WriteOnlyVariant(RingWrites):
+    """Diagnostic (decode under graphs): the in-graph ring write alone, no host hooks, no consumer.
+
+    Beside ``off`` it gives the write's GPU cost; ``drop``/``block`` beside it, what the host
+    hooks and the consumer's copy-out add. Its producer has no consumer, so ``plan()`` hands out
+    the scratch slot, once, and the graph writes there on every replay.
+    """
+
+    name = "write-only"
+    graph_key = "write-only"
+
+    def prepare(self, rows: int, graphed: bool) -> None:
+        if graphed:
+            self.writers[rows] = GraphRingWriter(self.producer, batch_rows=rows)
+            self.writers[rows].plan()
 
 
 class StaticOutputVariant(Variant):
@@ -344,6 +368,8 @@ class ServingLoop:
             for bs in settings["batches"]
         }
         self.producers: dict[str, Producer] = {}
+        #: The diagnostic write-only variant's producer (no consumer; GPU runs only).
+        self.write_only: Producer | None = None
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.variants: list[Variant] = []
 
@@ -387,6 +413,21 @@ class ServingLoop:
             DumpVariant(outputs, make_output, self.work / "dump"),
             TolistVariant(outputs, make_output),
         ]
+        if s["graphs"]:
+            diagnostic = CaptureConfig(
+                layers=self.aux_layers,
+                hidden_size=hidden,
+                num_layers=self.model.config.num_hidden_layers,
+                dtype=s["dtype"],
+                device=self.device.type,
+                slot_bytes=s["slot_mib"] * MiB,
+                ring_bytes=(len(s["batches"]) + 2) * s["slot_mib"] * MiB,
+                max_step_rows=max(s["batches"]),
+                policy="drop",
+                endpoint=gpu_ring.endpoint("serve-write-only"),
+            )
+            self.write_only = Producer(diagnostic, tensor_descriptions=describe(self.aux_layers, True))
+            self.variants.insert(3, WriteOnlyVariant(self.write_only))
         for variant in self.variants:
             variant.prepare(s["prefill_tokens"], graphed=False)
             for bs in s["batches"]:
@@ -456,6 +497,9 @@ class ServingLoop:
             except Exception as exc:  # a failed store is a finding, not a reason to lose the figures
                 summary["store"] = {"error": f"{type(exc).__name__}: {exc}"}
             summaries[policy] = summary
+        if self.write_only is not None:
+            self.write_only.close(timeout_s=1.0)
+            self.write_only = None
         for policy, consumer in self.consumers.items():
             if policy not in self.producers:  # never attached (the run failed before): nothing to finish
                 gpu_ring.stop_process(consumer)
@@ -464,85 +508,124 @@ class ServingLoop:
 
     # ------------------------------------------------------------------ timed loops
 
-    def time_decode(self, variant: Variant, bs: int, repeat: int) -> tuple[float, float]:
-        """Seconds for ``decode_steps`` steps, and host µs per step spent in the variant's hooks."""
+    def time_decode(self, variant: Variant, bs: int, repeat: int) -> Timing:
+        """``decode_steps`` steps of batch ``bs`` from the same start every time."""
         steps, context = self.settings["decode_steps"], self.settings["context"]
         ids, _ = self.static[bs]
-        tokens = self.reset(bs)
+        tokens = [self.reset(bs)]
         graph = self.graphs.get((variant.graph_key, bs))
         request_ids = [f"{variant.name}-bs{bs}-r{repeat}-{i}" for i in range(bs)]
         request_rows = [1] * bs
-        hook_ns = 0
-        sync(self.device)
-        started = time.perf_counter()
-        for step in range(steps):
-            meta = StepMeta(bs, request_ids, request_rows, np.full(bs, context + step), tokens, graph is not None)
-            t0 = time.perf_counter_ns()
-            variant.before(meta)
-            hook_ns += time.perf_counter_ns() - t0
-            if graph is not None:
-                graph.replay()
-                states = None
-            else:
-                states = self.decode_body(bs, variant)
-            t0 = time.perf_counter_ns()
-            variant.after(meta, states)
-            hook_ns += time.perf_counter_ns() - t0
-            tokens = ids.cpu().numpy()  # the engine reads its sampled tokens back every step
-        sync(self.device)
-        seconds = time.perf_counter() - started
+
+        def meta(step: int) -> StepMeta:
+            return StepMeta(bs, request_ids, request_rows, np.full(bs, context + step), tokens[0], graph is not None)
+
+        def forward(step: int) -> list[torch.Tensor] | None:
+            if graph is None:
+                return self.decode_body(bs, variant)
+            graph.replay()
+            return None
+
+        def read_back(step: int) -> None:
+            tokens[0] = ids.cpu().numpy()  # the engine reads its sampled tokens back every step
+
+        timing = self._timed(variant, steps, meta, forward, read_back)
         variant.finish(request_ids, context + steps)  # the prompt rows were never captured: incomplete
         variant.settle()
-        return seconds, hook_ns / steps / 1e3
+        return timing
 
-    def time_prefill(self, variant: Variant, repeat: int) -> tuple[float, float]:
-        """Seconds for ``prefill_steps`` batches of ``prefill_tokens``, and host µs per step in the hooks."""
+    def time_prefill(self, variant: Variant, repeat: int) -> Timing:
+        """``prefill_steps`` eager batches of ``prefill_tokens`` (equal-length sequences)."""
         s = self.settings
         seqs, length, total = s["prefill_seqs"], self.prefill_len, s["prefill_tokens"]
         positions = np.tile(np.arange(length, dtype=np.int64), seqs)
-        request_rows = [length] * seqs
-        batches = [
-            (self.prompts[step % len(self.prompts)], [f"{variant.name}-pf-r{repeat}-s{step}-{i}" for i in range(seqs)])
-            for step in range(s["prefill_steps"])
+        prompts = [self.prompts[step % len(self.prompts)] for step in range(s["prefill_steps"])]
+        request_ids = [
+            [f"{variant.name}-pf-r{repeat}-s{step}-{i}" for i in range(seqs)] for step in range(len(prompts))
         ]
-        hook_ns = 0
+        next_ids: list[torch.Tensor] = []
+
+        def meta(step: int) -> StepMeta:
+            return StepMeta(total, request_ids[step], [length] * seqs, positions, prompts[step].reshape(-1), False)
+
+        def forward(step: int) -> list[torch.Tensor]:
+            states, next_tokens = self.engine.prefill(
+                self.prefill_cache, torch.from_numpy(prompts[step]).to(self.device)
+            )
+            variant.inside(total, states)
+            next_ids[:] = [next_tokens]
+            return states
+
+        def read_back(step: int) -> None:
+            next_ids[0].cpu()
+
+        timing = self._timed(variant, len(prompts), meta, forward, read_back)
+        variant.finish([rid for ids in request_ids for rid in ids], length)
+        variant.settle()
+        return timing
+
+    def _timed(
+        self,
+        variant: Variant,
+        steps: int,
+        meta: Callable[[int], StepMeta],
+        forward: Callable[[int], Sequence[torch.Tensor] | None],
+        read_back: Callable[[int], None],
+    ) -> Timing:
+        """Synchronized wall time of ``steps`` steps, and the host time of the variant's hooks apart."""
+        before_ns = after_ns = 0
         sync(self.device)
         started = time.perf_counter()
-        for prompt, request_ids in batches:
-            meta = StepMeta(total, request_ids, request_rows, positions, prompt.reshape(-1), False)
+        for step in range(steps):
+            facts = meta(step)
             t0 = time.perf_counter_ns()
-            variant.before(meta)
-            hook_ns += time.perf_counter_ns() - t0
-            states, next_ids = self.engine.prefill(self.prefill_cache, torch.from_numpy(prompt).to(self.device))
-            variant.inside(total, states)
-            t0 = time.perf_counter_ns()
-            variant.after(meta, states)
-            hook_ns += time.perf_counter_ns() - t0
-            next_ids.cpu()
+            variant.before(facts)
+            t1 = time.perf_counter_ns()
+            states = forward(step)
+            t2 = time.perf_counter_ns()
+            variant.after(facts, states)
+            t3 = time.perf_counter_ns()
+            read_back(step)
+            before_ns += t1 - t0
+            after_ns += t3 - t2
         sync(self.device)
-        seconds = time.perf_counter() - started
-        variant.finish([rid for _, ids in batches for rid in ids], length)
-        variant.settle()
-        return seconds, hook_ns / len(batches) / 1e3
+        return Timing(time.perf_counter() - started, before_ns / steps / 1e3, after_ns / steps / 1e3)
 
     def interleaved(
-        self, timed: Callable[[Variant, int], tuple[float, float]], repeats: int
-    ) -> dict[str, tuple[list[float], list[float], dict[str, int]]]:
-        """Every variant once per repeat, order rotated; repeat 0 is warm-up. Also rows dropped per variant."""
-        seconds: dict[str, list[float]] = {v.name: [] for v in self.variants}
-        hooks: dict[str, list[float]] = {v.name: [] for v in self.variants}
-        counted = {v.name: dict.fromkeys(COUNTED, 0) for v in self.variants if isinstance(v, RingVariant)}
+        self, timed: Callable[[Variant, int], Timing], repeats: int, variants: list[Variant]
+    ) -> dict[str, Measured]:
+        """Every variant once per repeat, order rotated; repeat 0 is warm-up and not kept."""
+        measured = {v.name: Measured() for v in variants}
         for repeat in range(repeats + 1):
-            order = self.variants[repeat % len(self.variants) :] + self.variants[: repeat % len(self.variants)]
+            order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
             for variant in order:
                 before = _counters(variant)
-                elapsed, hook_us = timed(variant, repeat)
+                timing = timed(variant, repeat)
                 if repeat:
-                    seconds[variant.name].append(elapsed)
-                    hooks[variant.name].append(hook_us)
-                    for key, value in _counters(variant).items():
-                        counted[variant.name][key] += value - before[key]
-        return {name: (seconds[name], hooks[name], counted.get(name, {})) for name in seconds}
+                    measured[variant.name].add(timing, before, _counters(variant))
+        return measured
+
+
+@dataclass
+class Timing:
+    """One timed loop: synchronized wall seconds, host µs per step in the variant's before/after hooks."""
+
+    seconds: float
+    before_us: float
+    after_us: float
+
+
+@dataclass
+class Measured:
+    """A variant's timed loops over the repeats of one workload, and its producer counters' growth."""
+
+    timings: list[Timing] = field(default_factory=list)
+    counted: dict[str, int] = field(default_factory=dict)
+
+    def add(self, timing: Timing, before: dict[str, int], after: dict[str, int]) -> None:
+        self.timings.append(timing)
+        for key, value in after.items():
+            self.counted[key] = self.counted.get(key, 0) + value - before[key]
 
 
 #: Producer counters reported per variant and workload (summed over the timed repeats).
@@ -556,22 +639,21 @@ def _counters(variant: Variant) -> dict[str, int]:
     return {key: getattr(counters, key) for key in COUNTED}
 
 
-def summarize(
-    measured: dict[str, tuple[list[float], list[float], dict[str, int]]], tokens: int, steps: int
-) -> dict[str, Any]:
+def summarize(measured: dict[str, Measured], tokens: int, steps: int) -> dict[str, Any]:
     """tok/s, ratio to off, step time and capture cost per step from each variant's repeat times."""
-    off = median(measured["off"][0])
+    off = median([t.seconds for t in measured["off"].timings])
     out: dict[str, Any] = {}
-    for name, (seconds, hooks, extra) in measured.items():
-        med = median(seconds)
+    for name, data in measured.items():
+        med = median([t.seconds for t in data.timings])
         out[name] = {
             "tok_per_s": round(tokens / med, 1),
             "ratio_to_off": round(off / med, 4),
             "step_ms": round(med / steps * 1e3, 3),
             "capture_us_per_step": round((med - off) / steps * 1e6, 1),
-            "hook_host_us_per_step": round(median(hooks), 1),
-            "seconds": [round(x, 5) for x in seconds],
-            **extra,
+            "before_host_us_per_step": round(median([t.before_us for t in data.timings]), 1),
+            "after_host_us_per_step": round(median([t.after_us for t in data.timings]), 1),
+            "seconds": [round(t.seconds, 5) for t in data.timings],
+            **data.counted,
         }
     return out
 
@@ -616,7 +698,11 @@ def bench_decode(loop: ServingLoop) -> dict[str, Any]:
     s = loop.settings
     workloads: dict[str, Any] = {}
     for bs in s["batches"]:
-        measured = loop.interleaved(lambda variant, repeat, bs=bs: loop.time_decode(variant, bs, repeat), s["repeats"])
+
+        def timed(variant: Variant, repeat: int, bs: int = bs) -> Timing:
+            return loop.time_decode(variant, bs, repeat)
+
+        measured = loop.interleaved(timed, s["repeats"], loop.variants)
         workloads[f"decode bs{bs}"] = summarize(measured, bs * s["decode_steps"], s["decode_steps"])
     return {
         "workloads": workloads,
@@ -625,14 +711,16 @@ def bench_decode(loop: ServingLoop) -> dict[str, Any]:
         "repeats": s["repeats"],
         "cuda_graphs": s["graphs"],
         "note": "tok/s = batch x steps / median seconds of a loop; each step reads the sampled tokens back "
-        "(a sync, as an engine does); capture µs/step = (median - median off) / steps; hook host µs/step = "
-        "host time inside the variant's before/after hooks",
+        "(a sync, as an engine does); capture µs/step = (median - median off) / steps; before/after host µs/step = "
+        "host time in the variant's hooks before the forward (or replay: on the critical path, the GPU waits) and "
+        "after it (overlaps the GPU until the token read-back)",
     }
 
 
 def bench_prefill(loop: ServingLoop) -> dict[str, Any]:
     s = loop.settings
-    measured = loop.interleaved(loop.time_prefill, s["prefill_repeats"])
+    eager = [v for v in loop.variants if not isinstance(v, WriteOnlyVariant)]  # a graph-only diagnostic
+    measured = loop.interleaved(loop.time_prefill, s["prefill_repeats"], eager)
     tokens = s["prefill_tokens"] * s["prefill_steps"]
     return {
         "workloads": {f"prefill {s['prefill_tokens']}": summarize(measured, tokens, s["prefill_steps"])},
@@ -877,14 +965,14 @@ def tok_per_s(record: dict[str, Any]) -> dict[str, dict[str, float]]:
     groups: dict[str, dict[str, float]] = {}
     for section in ("decode", "prefill"):
         for name, entry in record["results"].get(section, {}).get("workloads", {}).items():
-            groups[name] = {v: entry[v]["tok_per_s"] for v in VARIANTS if v in entry}
+            groups[name] = {variant: figures["tok_per_s"] for variant, figures in entry.items()}
     return groups
 
 
 def table(record: dict[str, Any]) -> str:
     results = record["results"]
     lines = [
-        "| workload | variant | tok/s | vs off | step ms | capture µs/step | hook host µs/step | rows dropped |",
+        "| workload | variant | tok/s | vs off | step ms | capture µs/step | host µs before / after | rows dropped |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for section in ("decode", "prefill"):
@@ -892,14 +980,11 @@ def table(record: dict[str, Any]) -> str:
         if "error" in data:
             lines.append(f"| {section} | — | — | — | — | — | — | error: {data['error']} |")
         for name, entry in data.get("workloads", {}).items():
-            for v in VARIANTS:
-                if v in entry:
-                    e = entry[v]
-                    lines.append(
-                        f"| {name} | {v} | {e['tok_per_s']:,.0f} | {e['ratio_to_off']:.3f} | {e['step_ms']:.2f} | "
-                        f"{e['capture_us_per_step']:+,.0f} | {e['hook_host_us_per_step']:,.0f} | "
-                        f"{e.get('rows_dropped', '—')} |"
-                    )
+            for v, e in entry.items():
+                lines.append(
+                    f"| {name} | {v} | {e['tok_per_s']:,.0f} | {e['ratio_to_off']:.3f} | {e['step_ms']:.2f} | "
+                    f"{e['capture_us_per_step']:+,.0f} | {_host_us(e)} | {e.get('rows_dropped', '—')} |"
+                )
     lines += ["", "| rate | hscapture GB/s | baseline GB/s | ratio | baseline |", "|---|---:|---:|---:|---|"]
     drain = results.get("drain", {})
     if "ratio" in drain:
@@ -925,6 +1010,13 @@ def table(record: dict[str, Any]) -> str:
         value = "—" if goal["value"] is None else goal["value"]
         lines.append(f"| {name} | {goal['target']} | {value} | {met} | {goal['note']} |")
     return "\n".join(lines)
+
+
+def _host_us(figures: dict[str, Any]) -> str:
+    """Host µs per step in the hooks, before / after the forward (older records keep only their sum)."""
+    if "before_host_us_per_step" in figures:
+        return f"{figures['before_host_us_per_step']:,.0f} / {figures['after_host_us_per_step']:,.0f}"
+    return f"{figures['hook_host_us_per_step']:,.0f} (sum)"
 
 
 SUITE = SuiteSpec(

@@ -117,6 +117,17 @@ class LeanLlama:
         self.head_dim = config.hidden_size // self.heads
         self.group = self.heads // self.kv_heads
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        if (
+            config.hidden_act != "silu"
+            or getattr(config, "attention_bias", False)
+            or getattr(config, "mlp_bias", False)
+        ):
+            raise ValueError("LeanLlama: Llama with SiLU and no projection biases expected")
+        # One GEMM for q|k|v and one for gate|up, as engines do; HF's modules keep working on views.
+        self.qkv = [
+            _fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in self.layers
+        ]
+        self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
 
     @property
     def num_states(self) -> int:
@@ -158,7 +169,7 @@ class LeanLlama:
             k_cache.view(-1, self.head_dim).index_copy_(0, rows, k.reshape(-1, self.head_dim))
             v_cache.view(-1, self.head_dim).index_copy_(0, rows, v.reshape(-1, self.head_dim))
             q = q.view(bs, self.kv_heads, self.group, self.head_dim)
-            scores = torch.matmul(q, k_cache.transpose(-1, -2)).float() * self.scale + bias
+            scores = torch.add(bias, torch.matmul(q, k_cache.transpose(-1, -2)), alpha=self.scale)  # fp32
             weights = scores.softmax(-1).to(q.dtype)
             return torch.matmul(weights, v_cache).reshape(bs, self.heads * self.head_dim)
 
@@ -193,25 +204,42 @@ class LeanLlama:
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, attend) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The decoder stack over ``[tokens, hidden]`` rows; ``attend`` does the cache and attention."""
         cos, sin = self.model.model.rotary_emb(hidden, positions[None])
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * sin_signed: one roll instead of a negation and a concat
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [tokens, 1, head_dim]: broadcast over heads
-        tokens = hidden.shape[0]
+        tokens, heads, kv_heads, head_dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
         states: list[torch.Tensor] = []
         for index, layer in enumerate(self.layers):
             if index in self.aux_layers:
                 states.append(hidden)  # never written in place below, so the reference stays valid
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = _rope(attn.q_proj(x).view(tokens, self.heads, self.head_dim), cos, sin)
-            k = _rope(attn.k_proj(x).view(tokens, self.kv_heads, self.head_dim), cos, sin)
-            v = attn.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
-            hidden = hidden + attn.o_proj(attend(index, q, k, v))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        last = self.model.model.norm(hidden)
+            qkv = F.linear(_rms_norm(hidden, layer.input_layernorm), self.qkv[index])
+            qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # rotary on q and k at once
+            v = qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim)
+            out = attend(index, qk[:, :heads], qk[:, heads:].contiguous(), v)
+            hidden = hidden + layer.self_attn.o_proj(out)
+            gate, up = F.linear(_rms_norm(hidden, layer.post_attention_layernorm), self.gate_up[index]).chunk(2, dim=-1)
+            hidden = hidden + layer.mlp.down_proj(F.silu(gate) * up)
+        last = _rms_norm(hidden, self.model.model.norm)
         return last, [*states, last]
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, HF's rotate-half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """HF's LlamaRMSNorm as one fused op (F.rms_norm: fp32 inside, one rounding at the end)."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def _fuse(*linears: torch.nn.Linear) -> torch.Tensor:
+    """Concatenate the weights of ``linears`` into one matrix and re-point each module at its rows.
+
+    The HF modules then hold views of the fused weight, so memory is not doubled and the model
+    stays an ordinary ``LlamaForCausalLM``.
+    """
+    fused = torch.cat([linear.weight for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
