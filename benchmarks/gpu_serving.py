@@ -17,7 +17,9 @@ wall time:
   prefill calls ``Producer.capture_step``;
 * ``dump``: the usual engine patch, synchronous ``.cpu()`` + ``torch.save`` every step;
 * ``tolist``: SGLang's built-in path, ``.cpu().clone().tolist()`` per request every step (the
-  capture set is a graph output, as SGLang's aux hidden states are).
+  capture set is a graph output, as SGLang's aux hidden states are);
+* ``write-only`` (decode on a GPU, a diagnostic outside the goals): the in-graph ring write alone,
+  no host hooks and no consumer, which splits hscapture's cost into GPU write and the rest.
 
 Beside the loop, in the same run: the consumer's drain rate against a plain pinned D2H copy of
 the same bytes (``gpu_ring.bench_drain``), and the store's write rate against a raw sequential
