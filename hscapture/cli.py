@@ -1,5 +1,5 @@
 """``hscapture`` command line: ``extract``, ``serve`` (SGLang with capture), ``consume``, ``verify``, ``export``,
-``inspect``."""
+``inspect``, ``bench`` (the benchmark suites of a source checkout)."""
 
 from __future__ import annotations
 
@@ -166,10 +166,25 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("dir", type=Path, metavar="DIR", help="store directory")
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
     ins.add_argument("--max-listed", type=int, default=10, help="incomplete samples and runs listed (default 10)")
+
+    ben = commands.add_parser(
+        "bench",
+        help="run a benchmark suite (same as python benchmarks/run.py SUITE)",
+        description="Runs benchmarks/run.py of the source checkout this hscapture is imported from; "
+        "`hscapture bench gpu --help` lists a suite's options.",
+    )
+    ben.add_argument("suite", metavar="SUITE [OPTIONS]", help="a suite name and its options")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every later argument is the suite's, --help included
+        try:
+            return _bench(argv[1:])
+        except ValueError as exc:
+            print(f"hscapture bench: error: {exc}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     quiet = args.command in ("extract", "export", "inspect") or getattr(args, "quiet", False)
     level = logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO
@@ -252,6 +267,21 @@ def _serve(args: argparse.Namespace) -> int:
         slot_bytes=args.slot_bytes,
     )
     return serve(options, sglang_args)
+
+
+def _bench(suite_args: list[str]) -> int:
+    """Hand over to ``benchmarks/run.py``: the suites live beside the package, not inside it."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "run.py").is_file():
+        raise ValueError(
+            f"no benchmarks/run.py beside {root / 'hscapture'}; the suites ship with the source checkout "
+            "(git clone, then pip install -e '.[bench]')"
+        )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.run import main as run_suite
+
+    return run_suite(suite_args or ["--help"])
 
 
 def _consume(args: argparse.Namespace) -> int:

@@ -1,0 +1,1031 @@
+"""GPU suite: capture overhead in tok/s on a Llama-3.1-8B-sized serving loop, every variant side by side.
+
+    python benchmarks/run.py gpu                            # the GPU run (8B dims, random bf16 weights)
+    python benchmarks/run.py gpu --tiny --device cpu        # a smoke run anywhere (tiny dims, host ring)
+
+The engine is :mod:`benchmarks.lean_llama` (HF ``LlamaForCausalLM`` modules, a lean static-cache
+forward), driven like a serving loop: every step the sampled tokens are read back to the host,
+as an engine must to detokenize and stop requests. Decode runs one CUDA graph per batch size and
+variant; prefill runs eagerly on 8192-token batches. The EAGLE-3 set is captured: the residual
+stream entering layers ``[2, L/2, L-3]`` and the post-norm last state. Variants, interleaved
+repeat by repeat (order rotated; repeat 0 is warm-up and not reported), medians of synchronized
+wall time:
+
+* ``off``: the loop alone;
+* ``drop`` / ``block``: hscapture with a consumer process writing a store to disk; decode writes
+  the ring inside the graph (``GraphRingWriter``: ``plan()`` before replay, ``commit()`` after),
+  prefill calls ``Producer.capture_step``;
+* ``dump``: the usual engine patch, synchronous ``.cpu()`` + ``torch.save`` every step;
+* ``tolist``: SGLang's built-in path, ``.cpu().clone().tolist()`` per request every step (the
+  capture set is a graph output, as SGLang's aux hidden states are);
+* ``write-only`` (decode on a GPU, a diagnostic outside the goals): the in-graph ring write alone,
+  no host hooks and no consumer, which splits hscapture's cost into GPU write and the rest.
+
+Beside the loop, in the same run: the consumer's drain rate against a plain pinned D2H copy of
+the same bytes (``gpu_ring.bench_drain``), and the store's write rate against a raw sequential
+write of the same bytes to the same directory, both with an fsync at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks import gpu_ring
+from benchmarks.lean_llama import LLAMA_8B, TINY, KVCache, LeanLlama, random_llama
+from benchmarks.report import Outcome, SuiteSkipped, SuiteSpec
+from hscapture import CaptureConfig, Producer, open_store
+from hscapture.config import MiB
+from hscapture.consumer import consume_command
+from hscapture.graph import GraphRingWriter
+from hscapture.integrations.hf import describe, eagle3_default_layers
+
+GiB = 1 << 30
+VARIANTS = ("off", "drop", "block", "dump", "tolist")
+POLICIES = ("drop", "block")
+#: The issue's figure for reading 8B bf16 weights once on the H200, beside the one measured here.
+WEIGHT_READ_MS_REFERENCE = 4.4
+#: Capture costs at or below this are timer noise; the .tolist() speed-up divides by at least this.
+COST_FLOOR_US = 1.0
+#: Settings per mode: the GPU run, and the tiny smoke run (CPU or GPU).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "full": {
+        "batches": (1, 16, 64, 256),
+        "context": 512,
+        "decode_steps": 32,
+        "repeats": 5,
+        "prefill_tokens": 8192,
+        "prefill_seqs": 4,
+        "prefill_steps": 2,
+        "prefill_repeats": 3,
+        "slot_mib": 32,
+        "ring_slots": 32,
+        "drain_gib": 4.0,
+        "drain_repeats": 3,
+        "store_gib": 4.0,
+        "store_repeats": 2,
+    },
+    "tiny": {
+        "batches": (1, 4),
+        "context": 16,
+        "decode_steps": 6,
+        "repeats": 2,
+        "prefill_tokens": 64,
+        "prefill_seqs": 2,
+        "prefill_steps": 2,
+        "prefill_repeats": 1,
+        "slot_mib": 1,
+        "ring_slots": 16,
+        "drain_gib": 0.25,
+        "drain_repeats": 2,
+        "store_gib": 1 / 64,
+        "store_repeats": 1,
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tiny", action="store_true", help="tiny Llama dims (a smoke run; runs on a CPU too)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if visible")
+    parser.add_argument("--batches", type=_ints, help="decode batch sizes (default 1,16,64,256; --tiny 1,4)")
+    parser.add_argument("--context", type=int, help="tokens already in each sequence's cache when decode starts")
+    parser.add_argument("--decode-steps", type=int, help="decode steps per timed loop")
+    parser.add_argument("--repeats", type=int, help="timed decode repeats per variant (plus one warm-up)")
+    parser.add_argument("--prefill-tokens", type=int, help="tokens per prefill batch (default 8192)")
+    parser.add_argument("--prefill-seqs", type=int, help="sequences per prefill batch (default 4)")
+    parser.add_argument("--prefill-steps", type=int, help="prefill batches per timed loop")
+    parser.add_argument("--prefill-repeats", type=int, help="timed prefill repeats per variant (plus one warm-up)")
+    parser.add_argument("--slot-mib", type=int, help="ring slot size in MiB")
+    parser.add_argument("--ring-slots", type=int, help="slots per ring")
+    parser.add_argument("--drain-gib", type=float, help="GiB per drain-rate repeat (GPU only)")
+    parser.add_argument("--drain-repeats", type=int, help="drain-rate repeats")
+    parser.add_argument("--store-gib", type=float, help="GiB per store-rate repeat")
+    parser.add_argument("--store-repeats", type=int, help="store-rate repeats")
+    parser.add_argument("--work-dir", type=Path, help="where stores and dumps go (the disk measured; default $TMPDIR)")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers separated by commas, e.g. 1,16,64") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+def resolve(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any]]:
+    """The device to run on and the settings, defaults filled in; SuiteSkipped where it cannot run."""
+    has_gpu = torch.cuda.is_available()
+    if args.device == "cuda" and not has_gpu:
+        raise SuiteSkipped("--device cuda, but no CUDA GPU is visible to this process")
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and has_gpu) else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        raise SuiteSkipped(
+            "no CUDA GPU visible: this suite serves Llama-3.1-8B dimensions under CUDA graphs and runs on a GPU "
+            "host; `python benchmarks/run.py gpu --tiny --device cpu` runs the same loop with tiny dims here"
+        )
+    settings = dict(DEFAULTS["tiny" if args.tiny else "full"])
+    for key in settings:
+        value = getattr(args, key, None)
+        if value is not None:
+            settings[key] = value
+    settings["batches"] = list(settings["batches"])
+    for key in ("context", "decode_steps", "repeats", "prefill_tokens", "prefill_seqs", "prefill_steps"):
+        if settings[key] < 1:
+            raise ValueError(f"--{key.replace('_', '-')}: must be >= 1, got {settings[key]}")
+    if settings["prefill_tokens"] % settings["prefill_seqs"]:
+        raise ValueError(
+            f"--prefill-tokens {settings['prefill_tokens']} is not a multiple of --prefill-seqs "
+            f"{settings['prefill_seqs']}; prefill batches hold equal-length sequences"
+        )
+    settings["dims"] = dict(TINY if args.tiny else LLAMA_8B)
+    settings["dtype"] = "bfloat16"
+    settings["graphs"] = device.type == "cuda"
+    settings["work_dir"] = str(args.work_dir or tempfile.gettempdir())
+    return device, settings
+
+
+# ---------------------------------------------------------------------------------------------- variants
+
+
+@dataclass
+class StepMeta:
+    """Host-side facts of one step, as an engine holds them: which request owns which row."""
+
+    rows: int
+    request_ids: list[str]
+    request_rows: list[int]
+    positions: np.ndarray
+    token_ids: np.ndarray
+    #: The step was a graph replay: its states live only in the graph (and wherever it wrote them).
+    graphed: bool
+
+
+class Variant:
+    """How a capture method takes part in a step; ``off`` takes no part at all."""
+
+    name = "off"
+    #: Variants with the same key share one decode graph per batch size.
+    graph_key = "off"
+
+    def prepare(self, rows: int, graphed: bool) -> None:
+        """Before any graph is captured: per-shape state (a ring writer, a static output)."""
+
+    def inside(self, rows: int, states: Sequence[torch.Tensor]) -> None:
+        """In the forward (captured into the decode graph): device work only."""
+
+    def before(self, meta: StepMeta) -> None:
+        """Host work before the forward (or the replay)."""
+
+    def after(self, meta: StepMeta, states: Sequence[torch.Tensor] | None) -> None:
+        """Host work after it; ``states`` is None after a replay."""
+
+    def finish(self, request_ids: Sequence[str], num_tokens: int) -> None:
+        """After a timed loop, untimed: requests end."""
+
+    def settle(self) -> None:
+        """After a timed loop, untimed: let background work of this variant finish."""
+
+
+class RingWrites(Variant):
+    """The in-graph ring write: one ``GraphRingWriter`` per graphed batch size, writing inside the graph."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.writers: dict[int, GraphRingWriter] = {}
+
+    def inside(self, rows: int, states: Sequence[torch.Tensor]) -> None:
+        writer = self.writers.get(rows)
+        if writer is not None:
+            writer.write(states)
+
+
+class RingVariant(RingWrites):
+    """hscapture: the graph-safe ring write under replay, ``capture_step`` in an eager step."""
+
+    def __init__(self, producer: Producer, consumer: subprocess.Popen[Any]) -> None:
+        super().__init__(producer)
+        self.consumer = consumer
+        self.name = producer.config.policy
+        self.graph_key = f"ring-{self.name}"
+
+    def prepare(self, rows: int, graphed: bool) -> None:
+        if graphed:
+            self.writers[rows] = GraphRingWriter(self.producer, batch_rows=rows)
+
+    def before(self, meta: StepMeta) -> None:
+        if meta.graphed:
+            self.writers[meta.rows].plan()
+
+    def after(self, meta: StepMeta, states: Sequence[torch.Tensor] | None) -> None:
+        if meta.graphed:
+            self.writers[meta.rows].commit(
+                meta.rows, meta.request_ids, meta.request_rows, meta.positions, meta.token_ids
+            )
+        else:
+            assert states is not None
+            self.producer.capture_step(states, meta.request_ids, meta.request_rows, meta.positions, meta.token_ids)
+
+    def finish(self, request_ids: Sequence[str], num_tokens: int) -> None:
+        for request_id in request_ids:
+            self.producer.finish_request(request_id, "finished", num_tokens=num_tokens)
+
+    def settle(self) -> None:
+        gpu_ring.wait_released(self.producer, self.consumer, timeout_s=300.0)
+
+
+class WriteOnlyVariant(RingWrites):
+    """Diagnostic (decode under graphs): the in-graph ring write alone, no host hooks, no consumer.
+
+    Beside ``off`` it gives the write's GPU cost; ``drop``/``block`` beside it, what the host
+    hooks and the consumer's copy-out add. Its producer has no consumer, so ``plan()`` hands out
+    the scratch slot, once, and the graph writes there on every replay.
+    """
+
+    name = "write-only"
+    graph_key = "write-only"
+
+    def prepare(self, rows: int, graphed: bool) -> None:
+        if graphed:
+            self.writers[rows] = GraphRingWriter(self.producer, batch_rows=rows)
+            self.writers[rows].plan()
+
+
+class StaticOutputVariant(Variant):
+    """Baselines that read the capture set after the step from a static ``[rows, tensors, hidden]``
+    output, as SGLang's graph-captured aux hidden states are read."""
+
+    graph_key = "static"
+
+    def __init__(self, outputs: dict[int, torch.Tensor], make_output: Callable[[int], torch.Tensor]) -> None:
+        self.outputs = outputs
+        self.make_output = make_output
+
+    def prepare(self, rows: int, graphed: bool) -> None:
+        if rows not in self.outputs:
+            self.outputs[rows] = self.make_output(rows)
+
+    def inside(self, rows: int, states: Sequence[torch.Tensor]) -> None:
+        torch.stack(list(states), dim=1, out=self.outputs[rows])
+
+
+class DumpVariant(StaticOutputVariant):
+    """The usual engine patch: a synchronous ``.cpu()`` and ``torch.save`` of the step's states."""
+
+    name = "dump"
+
+    def __init__(self, outputs: dict[int, torch.Tensor], make_output: Callable[[int], torch.Tensor], directory: Path):
+        super().__init__(outputs, make_output)
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.files = 0
+
+    def after(self, meta: StepMeta, states: Sequence[torch.Tensor] | None) -> None:
+        torch.save(self.outputs[meta.rows][: meta.rows].cpu(), self.directory / f"step-{self.files}.pt")
+        self.files += 1
+
+    def settle(self) -> None:
+        for path in self.directory.glob("step-*.pt"):  # the disk is shared with the stores; untimed
+            path.unlink()
+
+
+class TolistVariant(StaticOutputVariant):
+    """SGLang's built-in path: ``.cpu().clone().tolist()`` of each request's rows, every step."""
+
+    name = "tolist"
+
+    def after(self, meta: StepMeta, states: Sequence[torch.Tensor] | None) -> None:
+        rows = self.outputs[meta.rows]
+        kept = []
+        start = 0
+        for count in meta.request_rows:
+            kept.append(rows[start : start + count].cpu().clone().tolist())
+            start += count
+        kept.clear()
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+class ServingLoop:
+    """The model, its caches, one producer + consumer per policy, the variants and the decode graphs."""
+
+    def __init__(self, settings: dict[str, Any], device: torch.device, work: Path) -> None:
+        self.settings = settings
+        self.device = device
+        self.work = work
+        self.dtype = torch.bfloat16
+        # Consumers first: their start-up (imports, CUDA context) overlaps the model's construction.
+        self.endpoints = {policy: gpu_ring.endpoint(f"serve-{policy}") for policy in POLICIES}
+        self.consumers: dict[str, subprocess.Popen[Any]] = {}
+        for policy, endpoint in self.endpoints.items():
+            command = consume_command(endpoint, work / f"store-{policy}", "--exit-on-eos", "--quiet")
+            self.consumers[policy] = subprocess.Popen([*command, "--watch-pid", str(os.getpid())])
+        torch.manual_seed(0)
+        self.model = random_llama(settings["dims"], device, self.dtype)
+        config = self.model.config
+        self.aux_layers = eagle3_default_layers(config.num_hidden_layers)
+        self.engine = LeanLlama(self.model, self.aux_layers)
+        steps, context = settings["decode_steps"], settings["context"]
+        self.capacity = -(-(context + steps + 2) // 64) * 64  # + the two warm-up steps of graph capture
+        self.cache = KVCache.allocate(config, max(settings["batches"]), self.capacity, device, self.dtype)
+        self.cache.randomize()
+        seqs = settings["prefill_seqs"]
+        self.prefill_len = settings["prefill_tokens"] // seqs
+        self.prefill_cache = KVCache.allocate(config, seqs, self.prefill_len, device, self.dtype)
+        rng = np.random.default_rng(0)
+        vocab = config.vocab_size
+        self.first_tokens = {bs: rng.integers(0, vocab, bs, dtype=np.int64) for bs in settings["batches"]}
+        self.prompts = [rng.integers(0, vocab, (seqs, self.prefill_len), dtype=np.int64) for _ in range(8)]
+        self.static: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
+            bs: (torch.zeros(bs, dtype=torch.int64, device=device), torch.zeros(bs, dtype=torch.int64, device=device))
+            for bs in settings["batches"]
+        }
+        self.producers: dict[str, Producer] = {}
+        #: The diagnostic write-only variant's producer (no consumer; GPU runs only).
+        self.write_only: Producer | None = None
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.variants: list[Variant] = []
+
+    # ------------------------------------------------------------------ setup
+
+    def start_capture(self) -> None:
+        """A producer per policy, attached to its consumer process (writing a store under the work dir)."""
+        s = self.settings
+        hidden = self.model.config.hidden_size
+        for policy in POLICIES:
+            config = CaptureConfig(
+                layers=self.aux_layers,
+                hidden_size=hidden,
+                num_layers=self.model.config.num_hidden_layers,
+                dtype=s["dtype"],
+                device=self.device.type,
+                slot_bytes=s["slot_mib"] * MiB,
+                ring_bytes=s["ring_slots"] * s["slot_mib"] * MiB,
+                max_step_rows=max(s["prefill_tokens"], *s["batches"]),
+                policy=policy,  # type: ignore[arg-type]
+                endpoint=self.endpoints[policy],
+                block_timeout_s=300.0,
+            )
+            self.producers[policy] = Producer(
+                config,
+                tensor_descriptions=describe(self.aux_layers, True),
+                meta={"engine": "benchmarks/gpu_serving.py", "dims": s["dims"]},
+            )
+        for policy in POLICIES:
+            gpu_ring.attach(self.producers[policy], self.consumers[policy], timeout_s=180.0)
+        outputs: dict[int, torch.Tensor] = {}
+
+        def make_output(rows: int) -> torch.Tensor:
+            return torch.empty(rows, self.engine.num_states, hidden, device=self.device, dtype=self.dtype)
+
+        ring = {p: RingVariant(self.producers[p], self.consumers[p]) for p in POLICIES}
+        self.variants = [
+            Variant(),
+            ring["drop"],
+            ring["block"],
+            DumpVariant(outputs, make_output, self.work / "dump"),
+            TolistVariant(outputs, make_output),
+        ]
+        if s["graphs"]:
+            diagnostic = CaptureConfig(
+                layers=self.aux_layers,
+                hidden_size=hidden,
+                num_layers=self.model.config.num_hidden_layers,
+                dtype=s["dtype"],
+                device=self.device.type,
+                slot_bytes=s["slot_mib"] * MiB,
+                ring_bytes=(len(s["batches"]) + 2) * s["slot_mib"] * MiB,
+                max_step_rows=max(s["batches"]),
+                policy="drop",
+                endpoint=gpu_ring.endpoint("serve-write-only"),
+            )
+            self.write_only = Producer(diagnostic, tensor_descriptions=describe(self.aux_layers, True))
+            self.variants.insert(3, WriteOnlyVariant(self.write_only))
+        for variant in self.variants:
+            variant.prepare(s["prefill_tokens"], graphed=False)
+            for bs in s["batches"]:
+                variant.prepare(bs, graphed=s["graphs"])
+
+    def setup(self) -> dict[str, Any]:
+        """Producers, consumers and variants; on a GPU the decode graphs too."""
+        self.start_capture()
+        info: dict[str, Any] = {"policies": list(self.producers), "ring": self.producers["block"].config.to_dict()}
+        if self.settings["graphs"]:
+            info["graph_ring_write"] = "fused NVRTC kernel" if self._uses_kernel() else "index_copy_ fallback"
+            info.update(self.capture_graphs())
+        return info
+
+    def _uses_kernel(self) -> bool:
+        return all(w.uses_kernel for v in self.variants if isinstance(v, RingVariant) for w in v.writers.values())
+
+    def decode_body(self, bs: int, variant: Variant) -> list[torch.Tensor]:
+        """One decode step on the static inputs of batch ``bs``; advances them for the next step."""
+        ids, positions = self.static[bs]
+        states, next_ids = self.engine.decode(self.cache, ids, positions)
+        variant.inside(bs, states)
+        ids.copy_(next_ids)
+        positions.add_(1)
+        return states
+
+    def capture_graphs(self) -> dict[str, Any]:
+        """One CUDA graph per batch size and graph key (off, ring-drop, ring-block, static)."""
+        started = time.perf_counter()
+        for bs in self.settings["batches"]:
+            for variant in self.variants:
+                key = (variant.graph_key, bs)
+                if key in self.graphs:
+                    continue
+                self.reset(bs)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's graph docs ask
+                    for _ in range(2):
+                        self.decode_body(bs, variant)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.decode_body(bs, variant)
+                self.graphs[key] = graph
+        torch.cuda.synchronize()
+        return {"graphs": len(self.graphs), "seconds": round(time.perf_counter() - started, 1)}
+
+    def reset(self, bs: int) -> np.ndarray:
+        """Every timed decode loop starts from the same tokens at the same position."""
+        ids, positions = self.static[bs]
+        tokens = self.first_tokens[bs]
+        ids.copy_(torch.from_numpy(tokens))
+        positions.fill_(self.settings["context"])
+        return tokens
+
+    def close(self) -> dict[str, Any]:
+        """Close producers (end of stream), wait for the consumers to finish their stores, summarize."""
+        self.graphs.clear()
+        summaries: dict[str, Any] = {}
+        for policy, producer in self.producers.items():
+            counters = producer.close(timeout_s=300.0)
+            code = gpu_ring.finish_consumer(self.consumers[policy], timeout_s=600.0)
+            summary: dict[str, Any] = {"producer": counters.to_dict(), "consumer_exit": code}
+            try:
+                summary["store"] = open_store(self.work / f"store-{policy}").summary()
+            except Exception as exc:  # a failed store is a finding, not a reason to lose the figures
+                summary["store"] = {"error": f"{type(exc).__name__}: {exc}"}
+            summaries[policy] = summary
+        if self.write_only is not None:
+            self.write_only.close(timeout_s=1.0)
+            self.write_only = None
+        for policy, consumer in self.consumers.items():
+            if policy not in self.producers:  # never attached (the run failed before): nothing to finish
+                gpu_ring.stop_process(consumer)
+        self.producers.clear()
+        return summaries
+
+    # ------------------------------------------------------------------ timed loops
+
+    def time_decode(self, variant: Variant, bs: int, repeat: int) -> Timing:
+        """``decode_steps`` steps of batch ``bs`` from the same start every time."""
+        steps, context = self.settings["decode_steps"], self.settings["context"]
+        ids, _ = self.static[bs]
+        tokens = [self.reset(bs)]
+        graph = self.graphs.get((variant.graph_key, bs))
+        request_ids = [f"{variant.name}-bs{bs}-r{repeat}-{i}" for i in range(bs)]
+        request_rows = [1] * bs
+
+        def meta(step: int) -> StepMeta:
+            return StepMeta(bs, request_ids, request_rows, np.full(bs, context + step), tokens[0], graph is not None)
+
+        def forward(step: int) -> list[torch.Tensor] | None:
+            if graph is None:
+                return self.decode_body(bs, variant)
+            graph.replay()
+            return None
+
+        def read_back(step: int) -> None:
+            tokens[0] = ids.cpu().numpy()  # the engine reads its sampled tokens back every step
+
+        timing = self._timed(variant, steps, meta, forward, read_back)
+        variant.finish(request_ids, context + steps)  # the prompt rows were never captured: incomplete
+        variant.settle()
+        return timing
+
+    def time_prefill(self, variant: Variant, repeat: int) -> Timing:
+        """``prefill_steps`` eager batches of ``prefill_tokens`` (equal-length sequences)."""
+        s = self.settings
+        seqs, length, total = s["prefill_seqs"], self.prefill_len, s["prefill_tokens"]
+        positions = np.tile(np.arange(length, dtype=np.int64), seqs)
+        prompts = [self.prompts[step % len(self.prompts)] for step in range(s["prefill_steps"])]
+        request_ids = [
+            [f"{variant.name}-pf-r{repeat}-s{step}-{i}" for i in range(seqs)] for step in range(len(prompts))
+        ]
+        next_ids: list[torch.Tensor] = []
+
+        def meta(step: int) -> StepMeta:
+            return StepMeta(total, request_ids[step], [length] * seqs, positions, prompts[step].reshape(-1), False)
+
+        def forward(step: int) -> list[torch.Tensor]:
+            states, next_tokens = self.engine.prefill(
+                self.prefill_cache, torch.from_numpy(prompts[step]).to(self.device)
+            )
+            variant.inside(total, states)
+            next_ids[:] = [next_tokens]
+            return states
+
+        def read_back(step: int) -> None:
+            next_ids[0].cpu()
+
+        timing = self._timed(variant, len(prompts), meta, forward, read_back)
+        variant.finish([rid for ids in request_ids for rid in ids], length)
+        variant.settle()
+        return timing
+
+    def _timed(
+        self,
+        variant: Variant,
+        steps: int,
+        meta: Callable[[int], StepMeta],
+        forward: Callable[[int], Sequence[torch.Tensor] | None],
+        read_back: Callable[[int], None],
+    ) -> Timing:
+        """Synchronized wall time of ``steps`` steps, and the host time of the variant's hooks apart."""
+        before_ns = after_ns = 0
+        sync(self.device)
+        started = time.perf_counter()
+        for step in range(steps):
+            facts = meta(step)
+            t0 = time.perf_counter_ns()
+            variant.before(facts)
+            t1 = time.perf_counter_ns()
+            states = forward(step)
+            t2 = time.perf_counter_ns()
+            variant.after(facts, states)
+            t3 = time.perf_counter_ns()
+            read_back(step)
+            before_ns += t1 - t0
+            after_ns += t3 - t2
+        sync(self.device)
+        return Timing(time.perf_counter() - started, before_ns / steps / 1e3, after_ns / steps / 1e3)
+
+    def interleaved(
+        self, timed: Callable[[Variant, int], Timing], repeats: int, variants: list[Variant]
+    ) -> dict[str, Measured]:
+        """Every variant once per repeat, order rotated; repeat 0 is warm-up and not kept."""
+        measured = {v.name: Measured() for v in variants}
+        for repeat in range(repeats + 1):
+            order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
+            for variant in order:
+                before = _counters(variant)
+                timing = timed(variant, repeat)
+                if repeat:
+                    measured[variant.name].add(timing, before, _counters(variant))
+        return measured
+
+
+@dataclass
+class Timing:
+    """One timed loop: synchronized wall seconds, host µs per step in the variant's before/after hooks."""
+
+    seconds: float
+    before_us: float
+    after_us: float
+
+
+@dataclass
+class Measured:
+    """A variant's timed loops over the repeats of one workload, and its producer counters' growth."""
+
+    timings: list[Timing] = field(default_factory=list)
+    counted: dict[str, int] = field(default_factory=dict)
+
+    def add(self, timing: Timing, before: dict[str, int], after: dict[str, int]) -> None:
+        self.timings.append(timing)
+        for key, value in after.items():
+            self.counted[key] = self.counted.get(key, 0) + value - before[key]
+
+
+#: Producer counters reported per variant and workload (summed over the timed repeats).
+COUNTED = ("rows_dropped", "credit_waits", "credit_wait_us")
+
+
+def _counters(variant: Variant) -> dict[str, int]:
+    if not isinstance(variant, RingVariant):
+        return {}
+    counters = variant.producer.counters
+    return {key: getattr(counters, key) for key in COUNTED}
+
+
+def summarize(measured: dict[str, Measured], tokens: int, steps: int) -> dict[str, Any]:
+    """tok/s, ratio to off, step time and capture cost per step from each variant's repeat times."""
+    off = median([t.seconds for t in measured["off"].timings])
+    out: dict[str, Any] = {}
+    for name, data in measured.items():
+        med = median([t.seconds for t in data.timings])
+        out[name] = {
+            "tok_per_s": round(tokens / med, 1),
+            "ratio_to_off": round(off / med, 4),
+            "step_ms": round(med / steps * 1e3, 3),
+            "capture_us_per_step": round((med - off) / steps * 1e6, 1),
+            "before_host_us_per_step": round(median([t.before_us for t in data.timings]), 1),
+            "after_host_us_per_step": round(median([t.after_us for t in data.timings]), 1),
+            "seconds": [round(t.seconds, 5) for t in data.timings],
+            **data.counted,
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- sections
+
+
+def engine_facts(loop: ServingLoop) -> dict[str, Any]:
+    """Sizes, and on a GPU the time to read the weights once at the copy bandwidth measured here."""
+    model = loop.model
+    weight_bytes = loop.engine.weight_bytes_per_decode()
+    facts: dict[str, Any] = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weight_bytes_read_per_decode_step": weight_bytes,
+        "aux_layers": list(loop.aux_layers),
+        "kv_cache_capacity": loop.capacity,
+        "kv_cache_bytes": sum(t.numel() * t.element_size() for t in (*loop.cache.k, *loop.cache.v)),
+        "attention": "decode: masked matmuls over the whole cache capacity (GQA by grouped query heads); "
+        "prefill: causal SDPA",
+    }
+    if loop.device.type == "cuda":
+        nbytes = 2 * GiB
+        src = torch.empty(nbytes, dtype=torch.uint8, device=loop.device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        copy_bps = 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)  # bytes read + written per second
+        del src, dst
+        facts["d2d_copy_tb_per_s"] = round(copy_bps / 1e12, 2)
+        facts["weight_read_ms"] = round(weight_bytes / copy_bps * 1e3, 3)
+        facts["weight_read_ms_reference"] = WEIGHT_READ_MS_REFERENCE
+        facts["gpu_memory_allocated_gib"] = round(torch.cuda.memory_allocated() / GiB, 1)
+    return facts
+
+
+def bench_decode(loop: ServingLoop) -> dict[str, Any]:
+    s = loop.settings
+    workloads: dict[str, Any] = {}
+    for bs in s["batches"]:
+
+        def timed(variant: Variant, repeat: int, bs: int = bs) -> Timing:
+            return loop.time_decode(variant, bs, repeat)
+
+        measured = loop.interleaved(timed, s["repeats"], loop.variants)
+        workloads[f"decode bs{bs}"] = summarize(measured, bs * s["decode_steps"], s["decode_steps"])
+    return {
+        "workloads": workloads,
+        "context": s["context"],
+        "steps_per_loop": s["decode_steps"],
+        "repeats": s["repeats"],
+        "cuda_graphs": s["graphs"],
+        "note": "tok/s = batch x steps / median seconds of a loop; each step reads the sampled tokens back "
+        "(a sync, as an engine does); capture µs/step = (median - median off) / steps; before/after host µs/step = "
+        "host time in the variant's hooks before the forward (or replay: on the critical path, the GPU waits) and "
+        "after it (overlaps the GPU until the token read-back)",
+    }
+
+
+def bench_prefill(loop: ServingLoop) -> dict[str, Any]:
+    s = loop.settings
+    eager = [v for v in loop.variants if not isinstance(v, WriteOnlyVariant)]  # a graph-only diagnostic
+    measured = loop.interleaved(loop.time_prefill, s["prefill_repeats"], eager)
+    tokens = s["prefill_tokens"] * s["prefill_steps"]
+    return {
+        "workloads": {f"prefill {s['prefill_tokens']}": summarize(measured, tokens, s["prefill_steps"])},
+        "sequences_per_batch": s["prefill_seqs"],
+        "steps_per_loop": s["prefill_steps"],
+        "repeats": s["prefill_repeats"],
+        "note": "eager prefill of equal-length sequences; hscapture uses Producer.capture_step",
+    }
+
+
+def bench_drain(settings: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The consumer's drain rate against a plain pinned D2H copy of the same bytes (gpu_ring.bench_drain)."""
+    if device.type != "cuda":
+        return {"skipped": "a GPU comparison: the drain copies device memory into pinned host memory"}
+    args = argparse.Namespace(
+        slot_mib=settings["slot_mib"], gib=settings["drain_gib"], repeats=settings["drain_repeats"]
+    )
+    try:
+        return gpu_ring.bench_drain(args)
+    finally:
+        gpu_ring.stop_children()
+
+
+def bench_store(settings: dict[str, Any], device: torch.device, work: Path) -> dict[str, Any]:
+    """Store write rate (block producer → consumer → shards on disk) against a raw write of the same bytes.
+
+    The store is timed from the first ``capture_step`` until its index says the run ended (every
+    shard written, fsync'd and indexed); the raw write is one stream of 64 MiB writes with an fsync
+    at the end, into the same directory. Repeats alternate the two.
+    """
+    dims = settings["dims"]
+    layers = eagle3_default_layers(dims["num_hidden_layers"])
+    hidden, tensors = dims["hidden_size"], len(layers) + 1
+    slot = settings["slot_mib"] * MiB
+    rows = slot // (tensors * hidden * 2)
+    steps = max(1, math.ceil(settings["store_gib"] * GiB / (rows * tensors * hidden * 2)))
+    states = [torch.randn(rows, hidden, device=device).to(torch.bfloat16) for _ in range(tensors)]
+    positions, tokens = np.arange(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    store_s: list[float] = []
+    raw_s: list[float] = []
+    shard_bytes = 0
+    for repeat in range(settings["store_repeats"]):
+        out = work / f"store-rate-{repeat}"
+        config = CaptureConfig(
+            layers=layers, hidden_size=hidden, num_layers=dims["num_hidden_layers"], device=device.type,
+            slot_bytes=slot, ring_bytes=settings["ring_slots"] * slot, max_step_rows=rows, policy="block",
+            endpoint=gpu_ring.endpoint(f"store-rate-{repeat}"), block_timeout_s=300.0,
+        )  # fmt: skip
+        consumer = subprocess.Popen(
+            [*consume_command(config.endpoint, out, "--exit-on-eos", "--quiet"), "--watch-pid", str(os.getpid())]
+        )
+        producer = Producer(config, tensor_descriptions=describe(layers, True), meta={"engine": "store-rate"})
+        try:
+            gpu_ring.attach(producer, consumer, timeout_s=180.0)
+            started = time.perf_counter()
+            for step in range(steps):
+                producer.capture_step(states, [f"rate-{step}"], [rows], positions, tokens)
+                producer.finish_request(f"rate-{step}", "finished", num_tokens=rows)
+            producer.close(timeout_s=600.0)
+            _wait_run_end(out / "index.jsonl", consumer)
+            store_s.append(time.perf_counter() - started)
+        finally:
+            producer.close(timeout_s=10.0)
+            gpu_ring.finish_consumer(consumer, timeout_s=120.0)
+        shard_bytes = open_store(out).summary()["bytes"]
+        shutil.rmtree(out, ignore_errors=True)
+        raw_s.append(raw_write(work / f"raw-{repeat}.bin", shard_bytes))
+    store_gbps = shard_bytes / median(store_s) / 1e9
+    raw_gbps = shard_bytes / median(raw_s) / 1e9
+    return {
+        "bytes_per_repeat": shard_bytes,
+        "repeats": settings["store_repeats"],
+        "directory": str(work),
+        "filesystem": filesystem_of(work),
+        "store_gbps": round(store_gbps, 3),
+        "raw_write_gbps": round(raw_gbps, 3),
+        "ratio": round(store_gbps / raw_gbps, 4),
+        "store_seconds": [round(x, 3) for x in store_s],
+        "raw_seconds": [round(x, 3) for x in raw_s],
+        "note": "GB/s = 1e9 bytes/s of shard files; store: first capture_step to the run_end line of its index "
+        "(every shard fsync'd and indexed); raw: 64 MiB os.write calls then fsync, same directory, same bytes",
+    }
+
+
+def _wait_run_end(index: Path, consumer: subprocess.Popen[Any], timeout_s: float = 600.0) -> None:
+    """Poll the store's index until the consumer appends the run's ``run_end`` line."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if index.exists() and b'"type":"run_end"' in index.read_bytes()[-65536:]:
+            return
+        if consumer.poll() is not None and not index.exists():
+            raise RuntimeError(f"consumer exited with {consumer.returncode} and wrote no index at {index}")
+        time.sleep(0.002)
+    raise RuntimeError(f"{index}: no run_end line within {timeout_s:.0f} s")
+
+
+def raw_write(path: Path, nbytes: int, block: int = 64 * MiB) -> float:
+    """Seconds to write ``nbytes`` of random bytes sequentially to ``path`` and fsync it."""
+    data = memoryview(np.random.default_rng(1).integers(0, 256, min(block, nbytes), dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        started = time.perf_counter()
+        written = 0
+        while written < nbytes:
+            written += os.write(fd, data[: min(len(data), nbytes - written)])
+        os.fsync(fd)
+        return time.perf_counter() - started
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def filesystem_of(path: Path) -> dict[str, Any]:
+    """The mount holding ``path`` (from /proc/mounts, where there is one) and its free space."""
+    target = str(path.resolve())
+    best = ("?", "?", "")
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            source, mount, fstype = line.split()[:3]
+            if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best[2]):
+                best = (source, fstype, mount)
+    except OSError:
+        pass
+    return {"device": best[0], "type": best[1], "mount": best[2], "free_gib": round(shutil.disk_usage(path).free / GiB)}
+
+
+# ---------------------------------------------------------------------------------------------- goals
+
+
+def compute_goals(results: dict[str, Any], tiny: bool) -> dict[str, Any]:
+    """The issue's goals against what was measured, each with the case that decides it."""
+    workloads = {**results.get("decode", {}).get("workloads", {}), **results.get("prefill", {}).get("workloads", {})}
+    goals: dict[str, Any] = {}
+
+    def worst_ratio(names: list[str]) -> tuple[float | None, str]:
+        cases = [(workloads[n][p]["ratio_to_off"], n, p) for n in names for p in POLICIES if p in workloads[n]]
+        if not cases:
+            return None, "not measured"
+        ratio, name, policy = min(cases)
+        entry = workloads[name][policy]
+        off_ms = workloads[name]["off"]["step_ms"]
+        return ratio, f"worst: {name} {policy}, {entry['capture_us_per_step']:+.0f} µs on a {off_ms:.2f} ms step"
+
+    decode = [n for n in workloads if n.startswith("decode bs") and int(n.removeprefix("decode bs")) >= 16]
+    prefill = [n for n in workloads if n.startswith("prefill")]
+    for key, names, target in (("decode_tok_s_bs16_up", decode, 0.99), ("prefill_tok_s", prefill, 0.97)):
+        value, note = worst_ratio(names)
+        goals[key] = _goal(f">= {target} of off", value, None if value is None else value >= target, note)
+
+    speedups = []
+    for name, entry in workloads.items():
+        if "tolist" in entry and all(p in entry for p in POLICIES):
+            ours = max(entry[p]["capture_us_per_step"] for p in POLICIES)
+            speedups.append((entry["tolist"]["capture_us_per_step"] / max(ours, COST_FLOOR_US), name, ours))
+    if speedups:
+        value, name, ours = min(speedups)
+        note = f"worst: {name}, capture cost .tolist() / hscapture (worse policy {ours:+.0f} µs, floor {COST_FLOOR_US})"
+        goals["faster_than_tolist"] = _goal(">= 20x", round(value, 1), value >= 20, note)
+    else:
+        goals["faster_than_tolist"] = _goal(">= 20x", None, None, "not measured")
+
+    drain = results.get("drain", {})
+    ratio = drain.get("ratio")
+    goals["drain_vs_pinned_d2h"] = _goal(
+        ">= 0.90", ratio, None if ratio is None else ratio >= 0.90, drain.get("skipped", "")
+    )
+    store = results.get("store", {})
+    ratio = store.get("ratio")
+    goals["store_vs_raw_disk"] = _goal(">= 0.80", ratio, None if ratio is None else ratio >= 0.80, "")
+
+    engine = results.get("engine", {})
+    bs64 = workloads.get("decode bs64", {}).get("off")
+    if bs64 and engine.get("weight_read_ms"):
+        value = round(bs64["step_ms"] / engine["weight_read_ms"], 2)
+        note = f"bs64 off step {bs64['step_ms']:.2f} ms vs weights read once {engine['weight_read_ms']:.2f} ms"
+        goals["engine_step_vs_weight_read"] = _goal("<= 2.0x", value, value <= 2.0, note)
+    if tiny:
+        for goal in goals.values():
+            goal["note"] = ("tiny dims: a smoke run, the goals are for the 8B GPU run; " + goal["note"]).strip("; ")
+    return goals
+
+
+def _goal(target: str, value: Any, met: bool | None, note: str) -> dict[str, Any]:
+    return {"target": target, "value": value, "met": met, "note": note}
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outcome:
+    device, settings = resolve(args)
+    if device.type == "cuda":
+        torch.cuda.init()
+        device_info = {"kind": "cuda", "name": torch.cuda.get_device_name(device), **gpu_ring.safe_machine()}
+        tag = re.sub(r"[^a-z0-9]", "", torch.cuda.get_device_name(device).split()[-1].lower()) or "gpu"
+    else:
+        # Tiny matrices gain nothing from intra-op threads, whose spin-waits collide with the consumer
+        # processes on a small host (steps slowed 30x on 2 cores).
+        torch.set_num_threads(1)
+        device_info = {"kind": "cpu", "name": f"CPU ({os.cpu_count()} cores)", "torch_threads": 1}
+        tag = "cpu"
+    outcome = Outcome(
+        name=f"gpu-tiny-{tag}" if args.tiny else f"gpu-{tag}", device=device_info, settings=settings, results={}
+    )
+    work = Path(tempfile.mkdtemp(prefix="hscapture-gpu-suite-", dir=settings["work_dir"]))
+    loop: ServingLoop | None = None
+
+    def section(name: str, measure: Callable[[], dict[str, Any]]) -> None:
+        started = time.perf_counter()
+        print(f"[gpu suite] {name} ...", flush=True)
+        try:
+            outcome.results[name] = measure()
+        except Exception as exc:  # one section failing must not lose the others' figures
+            traceback.print_exc()
+            outcome.results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        outcome.results[name]["section_seconds"] = round(time.perf_counter() - started, 1)
+        outcome.goals = compute_goals(outcome.results, args.tiny)
+        checkpoint(outcome)
+
+    try:
+        loop = ServingLoop(settings, device, work)
+        section("engine", lambda: engine_facts(loop))
+        section("setup", loop.setup)
+        section("decode", lambda: bench_decode(loop))
+        section("prefill", lambda: bench_prefill(loop))
+        section("stores", loop.close)  # the serving consumers finish before the disk is measured alone
+        section("drain", lambda: bench_drain(settings, device))
+        section("store", lambda: bench_store(settings, device, work))
+    finally:
+        if loop is not None and (loop.producers or any(c.poll() is None for c in loop.consumers.values())):
+            loop.close()
+        gpu_ring.stop_children()
+        gpu_ring.remove_endpoints()
+        shutil.rmtree(work, ignore_errors=True)
+    return outcome
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def tok_per_s(record: dict[str, Any]) -> dict[str, dict[str, float]]:
+    groups: dict[str, dict[str, float]] = {}
+    for section in ("decode", "prefill"):
+        for name, entry in record["results"].get(section, {}).get("workloads", {}).items():
+            groups[name] = {variant: figures["tok_per_s"] for variant, figures in entry.items()}
+    return groups
+
+
+def table(record: dict[str, Any]) -> str:
+    results = record["results"]
+    lines = [
+        "| workload | variant | tok/s | vs off | step ms | capture µs/step | host µs before / after | rows dropped |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for section in ("decode", "prefill"):
+        data = results.get(section, {})
+        if "error" in data:
+            lines.append(f"| {section} | — | — | — | — | — | — | error: {data['error']} |")
+        for name, entry in data.get("workloads", {}).items():
+            for v, e in entry.items():
+                lines.append(
+                    f"| {name} | {v} | {e['tok_per_s']:,.0f} | {e['ratio_to_off']:.3f} | {e['step_ms']:.2f} | "
+                    f"{e['capture_us_per_step']:+,.0f} | {_host_us(e)} | {e.get('rows_dropped', '—')} |"
+                )
+    lines += ["", "| rate | hscapture GB/s | baseline GB/s | ratio | baseline |", "|---|---:|---:|---:|---|"]
+    drain = results.get("drain", {})
+    if "ratio" in drain:
+        lines.append(
+            f"| drain: consumer copy-out, `--discard` | {drain['hscapture']['gbps']:.2f} | "
+            f"{drain['baseline_pinned_d2h']['gbps']:.2f} | {drain['ratio']:.3f} | plain pinned D2H, same bytes |"
+        )
+    else:
+        lines.append(f"| drain | — | — | — | {drain.get('skipped') or drain.get('error', 'not measured')} |")
+    store = results.get("store", {})
+    if "ratio" in store:
+        fs = store["filesystem"]
+        lines.append(
+            f"| store: capture → consumer → shards on disk | {store['store_gbps']:.2f} | "
+            f"{store['raw_write_gbps']:.2f} | "
+            f"{store['ratio']:.3f} | raw sequential write + fsync, same bytes, same {fs['type']} directory |"
+        )
+    else:
+        lines.append(f"| store | — | — | — | {store.get('error', 'not measured')} |")
+    lines += ["", "| goal | target | value | met | note |", "|---|---|---:|---|---|"]
+    for name, goal in record["goals"].items():
+        met = {True: "yes", False: "**no**", None: "—"}[goal["met"]]
+        value = "—" if goal["value"] is None else goal["value"]
+        lines.append(f"| {name} | {goal['target']} | {value} | {met} | {goal['note']} |")
+    return "\n".join(lines)
+
+
+def _host_us(figures: dict[str, Any]) -> str:
+    """Host µs per step in the hooks, before / after the forward (older records keep only their sum)."""
+    if "before_host_us_per_step" in figures:
+        return f"{figures['before_host_us_per_step']:,.0f} / {figures['after_host_us_per_step']:,.0f}"
+    return f"{figures['hook_host_us_per_step']:,.0f} (sum)"
+
+
+SUITE = SuiteSpec(
+    name="gpu",
+    description="capture overhead on an 8B-Llama-sized serving loop (CUDA graphs), drain and disk rates",
+    add_arguments=add_arguments,
+    run=run,
+    table=table,
+    tok_per_s=tok_per_s,
+)

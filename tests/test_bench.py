@@ -1,0 +1,221 @@
+"""The benchmark runner and its GPU suite: the lean engine against HF, the suite end to end (tiny, CPU).
+
+The suite runs as a real subprocess (`python benchmarks/run.py gpu --tiny --device cpu`) with real
+consumer processes writing real stores; the test checks the record's shape, the README table
+between its markers and the chart, never the figures (speed is measured, not asserted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import report
+from benchmarks.gpu_serving import VARIANTS, ServingLoop, resolve
+from benchmarks.lean_llama import TINY, KVCache, LeanLlama, random_llama
+from hscapture import open_store
+from hscapture.integrations.hf import eagle3_default_layers
+
+ROOT = Path(__file__).resolve().parents[1]
+GOALS = {
+    "decode_tok_s_bs16_up",
+    "prefill_tok_s",
+    "faster_than_tolist",
+    "drain_vs_pinned_d2h",
+    "store_vs_raw_disk",
+}
+README_TEXT = """# Benchmarks
+
+Text above the table stays.
+
+<!-- bench:gpu-tiny-cpu:begin -->
+an old table
+<!-- bench:gpu-tiny-cpu:end -->
+
+Text below the table stays.
+"""
+
+
+def run_bench(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, *map(str, args)]
+    return subprocess.run(command, cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_lean_forward_matches_hf_prefill_and_decode() -> None:
+    """Capture set, cache and next tokens of the lean forward are HF's own, through prefill and two decodes."""
+    torch.manual_seed(0)
+    model = random_llama(TINY, torch.device("cpu"), torch.float32)
+    layers = eagle3_default_layers(TINY["num_hidden_layers"])
+    engine = LeanLlama(model, layers)
+    cache = KVCache.allocate(model.config, 3, 16, torch.device("cpu"), torch.float32)
+    cache.randomize()  # stale values past the valid prefix must be masked out
+    prompt = torch.randint(0, TINY["vocab_size"], (2, 7))
+    states, next_ids = engine.prefill(cache, prompt)
+    tokens = prompt
+    for step in range(3):
+        with torch.no_grad():
+            hf = model(tokens, output_hidden_states=True)
+        expected = [hf.hidden_states[k] for k in layers] + [hf.hidden_states[-1]]
+        for got, want in zip(states, expected):
+            want = want.reshape(-1, want.shape[-1]) if step == 0 else want[:, -1]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert torch.equal(next_ids, hf.logits[:, -1].argmax(-1)), f"step {step}"
+        tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
+        positions = torch.full((2,), tokens.shape[1] - 1)
+        states, next_ids = engine.decode(cache, next_ids, positions)
+
+
+def test_lean_llama_refuses_unordered_aux_layers() -> None:
+    model = random_llama(TINY, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="aux_layers"):
+        LeanLlama(model, (5, 2))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess[str]]:
+    """One tiny CPU run of the gpu suite into a private results dir and README."""
+    base = tmp_path_factory.mktemp("bench")
+    results, readme = base / "results", base / "README.md"
+    readme.write_text(README_TEXT)
+    (base / "work").mkdir()
+    done = run_bench(
+        "benchmarks/run.py", "gpu", "--tiny", "--device", "cpu", "--results-dir", results, "--readme", readme,
+        "--work-dir", base / "work",
+    )  # fmt: skip
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    return results, readme, done
+
+
+def test_gpu_suite_tiny_cpu_writes_a_complete_record(tiny_run: tuple[Path, Path, subprocess.CompletedProcess]) -> None:
+    results, _, _ = tiny_run
+    record = json.loads((results / "gpu-tiny-cpu.json").read_text())
+    assert record["suite"] == "gpu" and record["name"] == "gpu-tiny-cpu" and record["complete"]
+    assert record["command"].startswith("python benchmarks/run.py gpu --tiny --device cpu")
+    assert record["commit"] not in ("", "unknown") and record["versions"]["torch"] == torch.__version__
+    assert record["device"]["kind"] == "cpu" and record["settings"]["graphs"] is False
+    workloads = {**record["results"]["decode"]["workloads"], **record["results"]["prefill"]["workloads"]}
+    assert list(workloads) == ["decode bs1", "decode bs4", "prefill 64"]
+    for name, entry in workloads.items():
+        assert list(entry) == list(VARIANTS), name
+        assert entry["off"]["ratio_to_off"] == 1.0 and entry["off"]["capture_us_per_step"] == 0.0
+        repeats = record["settings"]["repeats" if name.startswith("decode") else "prefill_repeats"]
+        for variant, figures in entry.items():
+            assert figures["tok_per_s"] > 0 and len(figures["seconds"]) == repeats, (name, variant)
+        assert entry["block"]["rows_dropped"] == 0, name
+    stores = record["results"]["stores"]
+    for policy in ("drop", "block"):  # what the producer announced is what the store holds
+        assert stores[policy]["consumer_exit"] == 0
+        assert stores[policy]["store"]["rows"] == stores[policy]["producer"]["rows_captured"] > 0, policy
+    assert stores["block"]["producer"]["rows_dropped"] == 0
+    assert "skipped" in record["results"]["drain"]
+    store = record["results"]["store"]
+    assert store["bytes_per_repeat"] > 0 and store["store_gbps"] > 0 and store["raw_write_gbps"] > 0
+    assert set(record["goals"]) == GOALS
+    for goal in record["goals"].values():
+        assert set(goal) == {"target", "value", "met", "note"}
+
+
+def test_gpu_suite_tiny_cpu_updates_its_readme_table_and_draws_the_chart(
+    tiny_run: tuple[Path, Path, subprocess.CompletedProcess],
+) -> None:
+    results, readme, done = tiny_run
+    text = readme.read_text()
+    assert text.startswith("# Benchmarks\n\nText above the table stays.\n") and text.endswith(
+        "Text below the table stays.\n"
+    )
+    block = text.split("<!-- bench:gpu-tiny-cpu:begin -->\n")[1].split("<!-- bench:gpu-tiny-cpu:end -->")[0]
+    assert "an old table" not in block
+    assert "| workload | variant | tok/s | vs off |" in block and "| decode bs4 | block |" in block
+    assert (
+        "| goal | target | value | met | note |" in block and "![tok/s per variant](results/gpu-tiny-cpu.png)" in block
+    )
+    assert (results / "gpu-tiny-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"updated the gpu-tiny-cpu table in {readme}" in done.stdout
+
+
+def test_hscapture_bench_redraws_a_record_into_another_readme(
+    tmp_path: Path, tiny_run: tuple[Path, Path, subprocess.CompletedProcess]
+) -> None:
+    """`python -m hscapture bench` is run.py; --from-json measures nothing and redraws table and chart."""
+    results, _, _ = tiny_run
+    readme = tmp_path / "README.md"
+    readme.write_text(README_TEXT)
+    done = run_bench(
+        "-m", "hscapture", "bench", "gpu", "--from-json", results / "gpu-tiny-cpu.json", "--results-dir", tmp_path,
+        "--readme", readme,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "| decode bs1 | off |" in readme.read_text()
+    assert (tmp_path / "gpu-tiny-cpu.png").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without a GPU")
+def test_gpu_suite_skips_without_a_gpu_and_writes_nothing(tmp_path: Path) -> None:
+    done = run_bench("benchmarks/run.py", "gpu", "--results-dir", tmp_path, "--readme", tmp_path / "README.md")
+    assert done.returncode == 0
+    assert "gpu suite skipped: no CUDA GPU visible" in done.stderr and "--tiny" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_suite_refuses_bad_settings_naming_the_option(tmp_path: Path) -> None:
+    done = run_bench(
+        "benchmarks/run.py", "gpu", "--tiny", "--device", "cpu", "--prefill-tokens", "65", "--prefill-seqs", "2",
+        "--results-dir", tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--prefill-tokens 65 is not a multiple of --prefill-seqs 2" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_update_readme_leaves_a_readme_without_markers_alone(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers here\n")
+    assert report.update_readme(readme, "gpu-h200", "table\n") is False
+    assert readme.read_text() == "no markers here\n"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_graph_replayed_decode_stores_exactly_the_eager_forward_states(tmp_path: Path) -> None:
+    """The in-graph ring write of the suite's decode loop stores what an eager step computes, row by row."""
+    parser = argparse.ArgumentParser()
+    from benchmarks.gpu_serving import add_arguments
+
+    add_arguments(parser)
+    device, settings = resolve(parser.parse_args(["--tiny", "--device", "cuda", "--work-dir", str(tmp_path)]))
+    loop = ServingLoop(settings, device, tmp_path)
+    try:
+        loop.setup()
+        block = next(v for v in loop.variants if v.name == "block")
+        bs, steps, context = 4, settings["decode_steps"], settings["context"]
+        loop.time_decode(block, bs, repeat=0)
+        ids, positions = loop.static[bs]
+        loop.reset(bs)
+        expected = []
+        for _ in range(steps):
+            states, next_ids = loop.engine.decode(loop.cache, ids, positions)
+            expected.append([s.clone() for s in states])
+            ids.copy_(next_ids)
+            positions.add_(1)
+        summaries = loop.close()
+    finally:
+        if loop.producers:
+            loop.close()
+    assert summaries["block"]["producer"]["rows_dropped"] == 0
+    store = open_store(tmp_path / "store-block")
+    names = [f"layer_{k}" for k in loop.aux_layers] + ["last"]
+    for row in range(bs):
+        sample = store.get(f"block-bs{bs}-r0-{row}")
+        assert torch.equal(sample["positions"], torch.arange(context, context + steps))
+        for t, name in enumerate(names):
+            want = torch.stack([expected[step][t][row] for step in range(steps)]).cpu()
+            # bf16 tolerance: cuBLAS may pick another algorithm on the capture stream; a row of another
+            # request or position would differ entirely
+            torch.testing.assert_close(sample[name], want)
