@@ -255,3 +255,17 @@ def test_extract_with_sglang_gives_a_store_that_passes_the_hf_engine_checks(mode
         assert rows["loss_mask"].tolist() == sample.loss_mask
         assert rows["positions"].tolist() == list(range(len(sample.input_ids)))
         assert all(rows[f"layer_{k}"].shape == (len(sample.input_ids), rows["last"].shape[1]) for k in (2, 4, 5))
+
+
+def test_examples_run_as_written(tmp_path: Path) -> None:
+    """python examples/sglang_serve.py and examples/sglang_extract.py, on the embedded tiny Llama."""
+    for script, expect in (
+        ("sglang_serve.py", "complete requests"),
+        ("sglang_extract.py", "regenerate: 4 samples"),
+    ):
+        command = [sys.executable, str(ROOT / "examples" / script), "--out", str(tmp_path / script)]
+        if script == "sglang_extract.py":
+            command += ["--samples", "4"]
+        done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert expect in done.stdout, done.stdout
