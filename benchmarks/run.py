@@ -30,6 +30,7 @@ from benchmarks import report  # noqa: E402
 #: Suite name -> module exposing ``SUITE``.
 SUITES: dict[str, str] = {
     "gpu": "benchmarks.gpu_serving",
+    "sglang": "benchmarks.sglang_serving",
 }
 
 

@@ -1,0 +1,211 @@
+"""SGLang suite: one model served three ways, the same request set, tok/s side by side.
+
+    python benchmarks/run.py sglang [--model DIR] [--requests 32] [--new-tokens 64] [--repeats 5]
+
+Variants, each a real ``sglang.Engine`` in its own process, all three alive at once so their
+repeats interleave (drift hits all alike; engine start-up and a warm-up round are not timed):
+
+* ``off``: plain SGLang.
+* ``builtin``: SGLang's own path, ``--enable-return-aux-hidden-states`` and every request asking
+  ``return_hidden_states`` (the ``.cpu().tolist()`` per request in the scheduler, then the
+  states travel to the client).
+* ``hscapture``: the same aux flags with the hscapture plugin on (``drop`` policy) and a consumer
+  process writing the store to disk.
+
+Each request generates exactly ``--new-tokens`` tokens (``ignore_eos``), greedy. On a host
+without a GPU SGLang runs its CPU path and only the ratios mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import Outcome, SuiteSkipped, SuiteSpec
+
+VARIANTS = ("off", "builtin", "hscapture")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, help="HF model directory (default: the embedded tiny Llama)")
+    parser.add_argument("--requests", type=int, default=32, help="requests per round (default 32)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per variant (default 5)")
+
+
+def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outcome:
+    try:
+        import sglang
+    except ImportError:
+        raise SuiteSkipped("SGLang is not installed: pip install -e '.[sglang]'") from None
+    from hscapture.tiny import ensure_tiny_model
+
+    model = args.model or ensure_tiny_model()
+    settings = {
+        "model": str(model),
+        "requests": args.requests,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "sglang": sglang.__version__,
+    }
+    outcome = Outcome(
+        name="sglang-cpu",
+        device={"kind": "cpu", "name": f"CPU ({os.cpu_count()} cores)"},
+        settings=settings,
+        results={},
+    )
+    store = Path(tempfile.mkdtemp(prefix="hscapture-bench-sglang-"))
+    workers = {v: _start_worker(v, model, store, args) for v in VARIANTS}
+    try:
+        for worker in workers.values():
+            _expect(worker, "ready")
+        rounds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for r in range(args.repeats + 1):  # round 0 warms every engine up
+            order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+            for variant in order:
+                seconds = _expect(workers[variant], "round")["seconds"]
+                if r:
+                    rounds[variant].append(seconds)
+        tokens = args.requests * args.new_tokens
+        off = statistics.median(rounds["off"])
+        outcome.results = {
+            v: {
+                "tok_per_s": tokens / statistics.median(rounds[v]),
+                "vs_off": off / statistics.median(rounds[v]),
+                "seconds": rounds[v],
+            }
+            for v in VARIANTS
+        }
+        outcome.results["hscapture_vs_builtin"] = statistics.median(rounds["builtin"]) / statistics.median(
+            rounds["hscapture"]
+        )
+    finally:
+        for worker in workers.values():
+            if worker.poll() is None:
+                worker.stdin.write("stop\n")  # type: ignore[union-attr]
+                worker.stdin.flush()  # type: ignore[union-attr]
+        for worker in workers.values():
+            try:
+                worker.wait(120)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        shutil.rmtree(store, ignore_errors=True)
+    checkpoint(outcome)
+    return outcome
+
+
+def _start_worker(variant: str, model: Path, store: Path, args: argparse.Namespace) -> subprocess.Popen:
+    command = [sys.executable, "-m", "benchmarks.sglang_serving", "--variant", variant, "--model", str(model)]
+    command += ["--store", str(store), "--requests", str(args.requests), "--new-tokens", str(args.new_tokens)]
+    command += ["--prompt-tokens", str(args.prompt_tokens)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def _expect(worker: subprocess.Popen, kind: str) -> dict[str, Any]:
+    if kind == "round":
+        worker.stdin.write("go\n")  # type: ignore[union-attr]
+        worker.stdin.flush()  # type: ignore[union-attr]
+    for line in worker.stdout:  # type: ignore[union-attr]
+        if line.startswith("{"):
+            message = json.loads(line)
+            if message["kind"] == kind:
+                return message
+    raise RuntimeError(f"a benchmark worker exited with {worker.wait()} before sending {kind!r}")
+
+
+def worker_main() -> None:
+    """One engine; ``ready`` once warm-up-free start-up is done, then one timed round per ``go``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variant", choices=VARIANTS, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--store", type=Path, required=True)
+    parser.add_argument("--requests", type=int, required=True)
+    parser.add_argument("--prompt-tokens", type=int, required=True)
+    parser.add_argument("--new-tokens", type=int, required=True)
+    args = parser.parse_args()
+    from hscapture.consumer import consume_command
+    from hscapture.integrations.sglang import (
+        CPU_ENGINE_KWARGS,
+        ENV,
+        PluginSettings,
+        engine_kwargs,
+        use_cpu_host_env,
+    )
+
+    on_cpu = use_cpu_host_env()
+    consumer = None
+    if args.variant == "hscapture":
+        endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/bench-sglang-{os.getpid()}"
+        os.environ[ENV] = PluginSettings(endpoint=endpoint, policy="drop").to_env()
+        consumer = subprocess.Popen(consume_command(endpoint, args.store, "--exit-on-eos", "--quiet"))
+    import sglang
+
+    engine = sglang.Engine(
+        model_path=args.model,
+        log_level="error",
+        max_total_tokens=4 * args.requests * (args.prompt_tokens + args.new_tokens),
+        disable_radix_cache=True,  # every round computes every prompt token
+        **(CPU_ENGINE_KWARGS if on_cpu else {}),
+        **(engine_kwargs() if args.variant != "off" else {}),
+    )
+    prompts = [[1 + (i * 7 + j) % 1000 for j in range(args.prompt_tokens)] for i in range(args.requests)]
+    params = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
+    print(json.dumps({"kind": "ready"}), flush=True)
+    try:
+        for line in sys.stdin:
+            if line.strip() != "go":
+                break
+            started = time.perf_counter()
+            engine.generate(input_ids=prompts, sampling_params=params, return_hidden_states=args.variant == "builtin")
+            print(json.dumps({"kind": "round", "seconds": time.perf_counter() - started}), flush=True)
+    finally:
+        if consumer is not None:
+            from hscapture.integrations.sglang import CLOSE_RPC
+
+            engine.collective_rpc(CLOSE_RPC)
+            consumer.wait(60)
+        engine.shutdown()
+
+
+def tok_per_s(record: dict[str, Any]) -> dict[str, dict[str, float]]:
+    results = record["results"]
+    return {"decode": {v: results[v]["tok_per_s"] for v in VARIANTS if v in results}}
+
+
+def table(record: dict[str, Any]) -> str:
+    results = record["results"]
+    lines = ["| variant | tok/s | vs off | seconds per round (min–max) |", "|---|---:|---:|---:|"]
+    for v in VARIANTS:
+        r = results[v]
+        lines.append(
+            f"| {v} | {r['tok_per_s']:.1f} | {r['vs_off']:.3f} | {min(r['seconds']):.2f}–{max(r['seconds']):.2f} |"
+        )
+    lines.append(f"\nhscapture is {results['hscapture_vs_builtin']:.2f}x the built-in path's tok/s.")
+    return "\n".join(lines)
+
+
+SUITE = SuiteSpec(
+    name="sglang",
+    description="the same model served three ways on SGLang: capture off, built-in return_hidden_states, hscapture",
+    add_arguments=add_arguments,
+    run=run,
+    table=table,
+    tok_per_s=tok_per_s,
+)
+
+if __name__ == "__main__":
+    worker_main()
