@@ -151,7 +151,7 @@ def server(model: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen,
     store_dir = tmp_path / "live"
     command = [sys.executable, "-m", "hscapture", "serve", "--out", str(store_dir), "--", "--model-path", str(model)]
     command += ["--port", str(port), "--chunked-prefill-size", "32", "--mem-fraction-static", "0.3"]
-    command += ["--enable-cache-report", "--log-level", "warning"]
+    command += ["--enable-cache-report", "--enable-mixed-chunk", "--log-level", "warning"]
     process = subprocess.Popen(command, env=_env())
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
