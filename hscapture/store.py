@@ -649,9 +649,10 @@ def _add_runs(runs: list[list[int]], positions: np.ndarray) -> None:
 def _request_record(request_id: str, request: _Request) -> dict[str, Any]:
     """The index line of a request: where its rows are and whether it is complete, and why not."""
     finished = request.finished
-    merged = _merge(request.runs)
-    covered = sum(end - start for start, end in merged)
     expected = finished.num_tokens if finished is not None and finished.num_tokens else None
+    spans, runs, rows, surplus = _past_end_trimmed(request, expected)
+    merged = _merge(runs)
+    covered = sum(end - start for start, end in merged)
     upper = expected if expected is not None else (merged[-1][1] if merged else 0)
     missing = _complement(merged, upper)
     problems = []
@@ -664,8 +665,8 @@ def _request_record(request_id: str, request: _Request) -> dict[str, Any]:
         problems.append(f"producer dropped {dropped} rows")
     if missing:
         problems.append(f"{sum(e - s for s, e in missing)} positions missing")
-    if covered != request.rows:
-        problems.append(f"{request.rows - covered} duplicate rows")
+    if covered != rows:
+        problems.append(f"{rows - covered} duplicate rows")
     if expected is not None and merged and merged[-1][1] > expected:
         problems.append(f"positions beyond num_tokens={expected}")
     return {
@@ -674,14 +675,36 @@ def _request_record(request_id: str, request: _Request) -> dict[str, Any]:
         "run_id": request.run_id,
         "status": "incomplete" if problems else "complete",
         "reason": "; ".join(problems),
-        "rows": request.rows,
+        "rows": rows,
         "num_tokens": expected if expected is not None else covered,
         "dropped_rows": dropped,
         "missing": missing,
-        "spans": request.spans,
+        "spans": spans,
+        **({"surplus_rows": surplus} if surplus else {}),
         "loss_mask": [list(r) for r in finished.loss_mask] if finished is not None else [],
         "meta": finished.meta if finished is not None else {},
     }
+
+
+def _past_end_trimmed(request: _Request, expected: int | None) -> tuple[list[list[int]], list[list[int]], int, int]:
+    """Spans, position runs and rows without trailing rows at positions ``>= num_tokens``.
+
+    An engine that schedules ahead (SGLang's overlap scheduler) runs one more step for a request
+    before it learns that the request finished; that step's row arrives last and lies past the
+    end. Only such a tail is cut (its shard bytes stay, unreferenced); anything else past the end
+    stays and makes the request incomplete.
+    """
+    spans, runs, rows = request.spans, request.runs, request.rows
+    if expected is None or not runs or runs[-1][1] <= expected or not spans:
+        return spans, runs, rows, 0
+    start, end = runs[-1]
+    surplus = end - max(start, expected)
+    if spans[-1][2] < surplus:
+        return spans, runs, rows, 0
+    runs = [*runs[:-1], [start, expected]] if start < expected else runs[:-1]
+    last = spans[-1]
+    spans = [*spans[:-1], [last[0], last[1], last[2] - surplus]] if last[2] > surplus else spans[:-1]
+    return spans, runs, rows - surplus, surplus
 
 
 def _merge(runs: list[list[int]]) -> list[list[int]]:

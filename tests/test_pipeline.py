@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hscapture import open_store
+from hscapture.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.workload import Workload, make_config, make_producer
 
@@ -218,3 +219,28 @@ def test_producer_rejects_steps_that_do_not_match_the_plan(endpoint: str, policy
     producer.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):
         producer.capture_step(good, ["a"], [3], [0, 1, 2], [1, 2, 3])
+
+
+def test_a_row_computed_past_a_request_end_is_cut_from_its_record(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    """An engine scheduling ahead runs one decode step past a request's end before it learns of
+    the end (SGLang's overlap scheduler): that tail row is left out and the request stays complete."""
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    producer = make_producer(make_config(endpoint, policy="block"))
+    wait_attached(producer)
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(3, 6, 32, generator=gen)  # [tensors, positions 0..5, hidden]
+    producer.capture_step(list(rows[:, :4]), ["r"], [4], list(range(4)), [10, 11, 12, 13])  # prefill
+    producer.capture_step(list(rows[:, 4:5]), ["r"], [1], [4], [14])  # the last decode step
+    producer.capture_step(list(rows[:, 5:6]), ["r"], [1], [5], [15])  # one step past the end
+    producer.finish_request("r", num_tokens=5, loss_mask=[(1, 5)])
+    producer.close()
+    assert consumer.wait(30) == 0
+    store = open_store(tmp_path)
+    record = store.record("r")
+    assert record["status"] == "complete" and record["surplus_rows"] == 1 and record["rows"] == 5, record
+    sample = store.get("r")
+    assert sample["positions"].tolist() == [0, 1, 2, 3, 4] and sample["input_ids"].tolist() == [10, 11, 12, 13, 14]
+    assert torch.equal(torch.stack([sample[n] for n in ("layer_1", "layer_3", "last")]), rows[:, :5])
+    assert verify_store(tmp_path).ok

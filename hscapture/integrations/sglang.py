@@ -54,10 +54,10 @@ _RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
 def server_args(layer_ids: Sequence[int] | None = None) -> list[str]:
     """SGLang server flags that make the target model keep the states we capture.
 
-    The overlap scheduler is switched off: it launches step N+1 before it learns that a request
-    finished at step N, so every finished request would carry one row past its end.
+    The overlap scheduler may stay on: it runs one step past a finished request's end before it
+    learns of the end, and the store cuts that tail row from the request (``surplus_rows``).
     """
-    args = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3", "--disable-overlap-schedule"]
+    args = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"]
     if layer_ids is not None:
         args += ["--return-aux-hidden-state-layer-ids", *map(str, layer_ids)]
     return args
@@ -68,7 +68,6 @@ def engine_kwargs(layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "enable_return_aux_hidden_states": True,
         "speculative_algorithm": "EAGLE3",
-        "disable_overlap_schedule": True,
     }
     if layer_ids is not None:
         kwargs["return_aux_hidden_state_layer_ids"] = list(layer_ids)
