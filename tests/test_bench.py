@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_gpu_suite_tiny_cpu_writes_a_complete_record(tiny_run: tuple[Path, Path,
     record = json.loads((results / "gpu-tiny-cpu.json").read_text())
     assert record["suite"] == "gpu" and record["name"] == "gpu-tiny-cpu" and record["complete"]
     assert record["command"].startswith("python benchmarks/run.py gpu --tiny --device cpu")
-    assert record["commit"] not in ("", "unknown") and record["versions"]["torch"] == torch.__version__
+    assert record["commit"] not in ("", "unknown") and record["versions"]["torch"] == metadata.version("torch")
     assert record["device"]["kind"] == "cpu" and record["settings"]["graphs"] is False
     workloads = {**record["results"]["decode"]["workloads"], **record["results"]["prefill"]["workloads"]}
     assert list(workloads) == ["decode bs1", "decode bs4", "prefill 64"]

@@ -134,7 +134,7 @@ def test_losing_a_build_race_uses_the_winner(tiny_dir: Path, tmp_path: Path, mon
     def fake_tokenizer(out_dir: Path) -> None:
         (out_dir / "partial.txt").write_text("loser's build")
 
-    def winner_finishes_first(out_dir: Path, tok: Any) -> None:
+    def winner_finishes_first(out_dir: Path, tok: Any, architecture: str) -> None:
         # Another process renames its finished build into place while this one is still building.
         target.mkdir()
         for p in tiny_dir.iterdir():
@@ -148,7 +148,7 @@ def test_losing_a_build_race_uses_the_winner(tiny_dir: Path, tmp_path: Path, mon
 
 
 def test_crashed_build_leaves_nothing(tmp_path: Path, monkeypatch: Any) -> None:
-    def crash(out_dir: Path, tok: Any) -> None:
+    def crash(out_dir: Path, tok: Any, architecture: str) -> None:
         raise RuntimeError("killed mid-build")
 
     monkeypatch.setattr(tiny, "_build_tokenizer", lambda out_dir: None)
