@@ -2,8 +2,9 @@
 
     python benchmarks/run.py sglang [--model DIR] [--requests 32] [--new-tokens 64] [--repeats 5]
 
-Variants, each a real ``sglang.Engine`` in its own process, all three alive at once so their
-repeats interleave (drift hits all alike; engine start-up and a warm-up round are not timed):
+Variants, each a real ``sglang.Engine`` in its own process, one engine at a time (an idle
+engine's scheduler still spins on the CPU), in two passes of rotated order so drift hits all
+alike; engine start-up and a warm-up round per start are not timed:
 
 * ``off``: plain SGLang.
 * ``builtin``: SGLang's own path, ``--enable-return-aux-hidden-states`` and every request asking
@@ -34,6 +35,8 @@ from typing import Any
 from benchmarks.report import Outcome, SuiteSkipped, SuiteSpec
 
 VARIANTS = ("off", "builtin", "hscapture")
+#: Each variant's engine is started this many times, variants in rotated order, to spread drift.
+PASSES = 2
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -68,43 +71,44 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
         results={},
     )
     store = Path(tempfile.mkdtemp(prefix="hscapture-bench-sglang-"))
-    workers = {v: _start_worker(v, model, store, args) for v in VARIANTS}
+    rounds: dict[str, list[float]] = {v: [] for v in VARIANTS}
     try:
-        for worker in workers.values():
-            _expect(worker, "ready")
-        rounds: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for r in range(args.repeats + 1):  # round 0 warms every engine up
-            order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
-            for variant in order:
-                seconds = _expect(workers[variant], "round")["seconds"]
-                if r:
-                    rounds[variant].append(seconds)
-        tokens = args.requests * args.new_tokens
-        off = statistics.median(rounds["off"])
-        outcome.results = {
-            v: {
-                "tok_per_s": tokens / statistics.median(rounds[v]),
-                "vs_off": off / statistics.median(rounds[v]),
-                "seconds": rounds[v],
-            }
-            for v in VARIANTS
-        }
-        outcome.results["hscapture_vs_builtin"] = statistics.median(rounds["builtin"]) / statistics.median(
-            rounds["hscapture"]
-        )
+        for turn in range(PASSES):  # engines one at a time (an idle SGLang engine still spins on the CPU)
+            for variant in VARIANTS[turn % 3 :] + VARIANTS[: turn % 3]:
+                rounds[variant] += _measure(_start_worker(variant, model, store, args), -(-args.repeats // PASSES))
     finally:
-        for worker in workers.values():
-            if worker.poll() is None:
-                worker.stdin.write("stop\n")  # type: ignore[union-attr]
-                worker.stdin.flush()  # type: ignore[union-attr]
-        for worker in workers.values():
-            try:
-                worker.wait(120)
-            except subprocess.TimeoutExpired:
-                worker.kill()
         shutil.rmtree(store, ignore_errors=True)
+    tokens = args.requests * args.new_tokens
+    off = statistics.median(rounds["off"])
+    outcome.results = {
+        v: {
+            "tok_per_s": tokens / statistics.median(rounds[v]),
+            "vs_off": off / statistics.median(rounds[v]),
+            "seconds": rounds[v],
+        }
+        for v in VARIANTS
+    }
+    outcome.results["hscapture_vs_builtin"] = statistics.median(rounds["builtin"]) / statistics.median(
+        rounds["hscapture"]
+    )
     checkpoint(outcome)
     return outcome
+
+
+def _measure(worker: subprocess.Popen, repeats: int) -> list[float]:
+    """A warm-up round, then ``repeats`` timed rounds of one engine; then it stops."""
+    try:
+        _expect(worker, "ready")
+        _expect(worker, "round")
+        return [_expect(worker, "round")["seconds"] for _ in range(repeats)]
+    finally:
+        if worker.poll() is None:
+            worker.stdin.write("stop\n")  # type: ignore[union-attr]
+            worker.stdin.flush()  # type: ignore[union-attr]
+        try:
+            worker.wait(120)
+        except subprocess.TimeoutExpired:
+            worker.kill()
 
 
 def _start_worker(variant: str, model: Path, store: Path, args: argparse.Namespace) -> subprocess.Popen:
