@@ -377,23 +377,30 @@ class ServingLoop:
 
     # ------------------------------------------------------------------ setup
 
+    def capture_config(self, policy: str, slots: int, max_rows: int, endpoint: str) -> CaptureConfig:
+        """The EAGLE-3 set of this model on this device, in ``slots`` slots of ``slot_mib``."""
+        s = self.settings
+        return CaptureConfig(
+            layers=self.aux_layers,
+            hidden_size=self.model.config.hidden_size,
+            num_layers=self.model.config.num_hidden_layers,
+            dtype=s["dtype"],
+            device=self.device.type,
+            slot_bytes=s["slot_mib"] * MiB,
+            ring_bytes=slots * s["slot_mib"] * MiB,
+            max_step_rows=max_rows,
+            policy=policy,  # type: ignore[arg-type]
+            endpoint=endpoint,
+            block_timeout_s=300.0,
+        )
+
     def start_capture(self) -> None:
         """A producer per policy, attached to its consumer process (writing a store under the work dir)."""
         s = self.settings
         hidden = self.model.config.hidden_size
         for policy in POLICIES:
-            config = CaptureConfig(
-                layers=self.aux_layers,
-                hidden_size=hidden,
-                num_layers=self.model.config.num_hidden_layers,
-                dtype=s["dtype"],
-                device=self.device.type,
-                slot_bytes=s["slot_mib"] * MiB,
-                ring_bytes=s["ring_slots"] * s["slot_mib"] * MiB,
-                max_step_rows=max(s["prefill_tokens"], *s["batches"]),
-                policy=policy,  # type: ignore[arg-type]
-                endpoint=self.endpoints[policy],
-                block_timeout_s=300.0,
+            config = self.capture_config(
+                policy, s["ring_slots"], max(s["prefill_tokens"], *s["batches"]), self.endpoints[policy]
             )
             self.producers[policy] = Producer(
                 config,
@@ -416,17 +423,8 @@ class ServingLoop:
             TolistVariant(outputs, make_output),
         ]
         if s["graphs"]:
-            diagnostic = CaptureConfig(
-                layers=self.aux_layers,
-                hidden_size=hidden,
-                num_layers=self.model.config.num_hidden_layers,
-                dtype=s["dtype"],
-                device=self.device.type,
-                slot_bytes=s["slot_mib"] * MiB,
-                ring_bytes=(len(s["batches"]) + 2) * s["slot_mib"] * MiB,
-                max_step_rows=max(s["batches"]),
-                policy="drop",
-                endpoint=gpu_ring.endpoint("serve-write-only"),
+            diagnostic = self.capture_config(
+                "drop", len(s["batches"]) + 2, max(s["batches"]), gpu_ring.endpoint("serve-write-only")
             )
             self.write_only = Producer(diagnostic, tensor_descriptions=describe(self.aux_layers, True))
             self.variants.insert(3, WriteOnlyVariant(self.write_only))
