@@ -215,6 +215,11 @@ def _specforge_aux_error(aux: list[int], captured: list[int], total: int | None,
         )
     eagle = list(eagle3_default_layers(total))
     ids = ",".join(map(str, eagle))
+    if len(eagle) < SPECFORGE_AUX:
+        return (
+            f"{problem}. A model of {total} decoder layers has no three distinct EAGLE-3 layers (2, L/2, L-3): "
+            f"capture three of 0..{total - 1} and pick them with --aux-layers; {holds}{override}"
+        )
     if set(eagle) <= set(captured):
         return f"{problem}. Pick EAGLE-3's 2, L/2, L-3 for L={total}: --aux-layers {ids}{override}"
     below = [k for k in captured if k < total]
