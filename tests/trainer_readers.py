@@ -6,12 +6,14 @@ would train on, so a test comparing it with the store proves the trainer reads o
 The packages come from their wheels with ``pip install --no-deps specforge==0.2.0
 speculators==0.9.0 hs-connectors==0.9.0`` (``.ci/run``): their data modules import with torch,
 transformers, datasets and openai, without SGLang or vLLM. Tests call :func:`require` first, so
-they skip, naming the command, where a package is missing.
+they skip, naming the command, where a package is missing; with ``HSCAPTURE_TEST_TRAINERS=required``
+(CI) they fail instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
@@ -30,11 +32,14 @@ SPECFORGE_TTT_LENGTH = 7
 
 
 def require(*packages: str) -> None:
-    """Skip the calling test unless every named trainer package can be imported."""
+    """Skip (or fail, where CI requires the trainers) the calling test unless every named package imports."""
     missing = [name for name in packages if importlib.util.find_spec(name) is None]
     if missing:
         pins = " ".join(TRAINERS[name] for name in packages)
-        pytest.skip(f"{', '.join(missing)} not installed: pip install --no-deps {pins}")
+        message = f"{', '.join(missing)} not installed: pip install --no-deps {pins}"
+        if os.environ.get("HSCAPTURE_TEST_TRAINERS") == "required":
+            pytest.fail(f"HSCAPTURE_TEST_TRAINERS=required, but {message}")
+        pytest.skip(message)
 
 
 def specforge_batches(export_dir: Path, max_len: int, batch_size: int) -> list[tuple[list[Path], dict[str, Any]]]:
