@@ -56,8 +56,8 @@ class ExtractOptions:
     layers: tuple[int, ...] | None = None
     #: Also capture the post-norm final hidden state (what the LM head reads).
     capture_last: bool = field(default=True, metadata=flag(name="--last"))
-    #: Activation and storage dtype (default: the model's own).
-    dtype: str | None = field(default=None, metadata=flag(choices=sorted(DTYPES)))
+    #: Activation and storage dtype: bfloat16, float16 or float32 (default: the model's own).
+    dtype: str | None = None
     #: Torch device to run the model on.
     device: str = "cpu"
     #: Truncate samples to this many tokens.
