@@ -50,7 +50,7 @@ from benchmarks import gpu_ring
 from benchmarks.lean_llama import LLAMA_8B, TINY, KVCache, LeanLlama, random_llama
 from benchmarks.report import Outcome, SuiteSkipped, SuiteSpec
 from hscapture import CaptureConfig, Producer, open_store
-from hscapture.config import MiB
+from hscapture.config import MiB, ensure_writable_dir
 from hscapture.consumer import consume_command
 from hscapture.graph import GraphRingWriter
 from hscapture.integrations.hf import describe, eagle3_default_layers
@@ -119,7 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-repeats", type=int, help="drain-rate repeats")
     parser.add_argument("--store-gib", type=float, help="GiB per store-rate repeat")
     parser.add_argument("--store-repeats", type=int, help="store-rate repeats")
-    parser.add_argument("--work-dir", type=Path, help="where stores and dumps go (the disk measured; default $TMPDIR)")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="where stores and dumps go, created if missing (the disk measured; default $TMPDIR)",
+    )
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -160,7 +164,9 @@ def resolve(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any]]:
     settings["dims"] = dict(TINY if args.tiny else LLAMA_8B)
     settings["dtype"] = "bfloat16"
     settings["graphs"] = device.type == "cuda"
-    settings["work_dir"] = str(args.work_dir or tempfile.gettempdir())
+    settings["work_dir"] = str(
+        ensure_writable_dir(args.work_dir, "--work-dir") if args.work_dir else tempfile.gettempdir()
+    )
     return device, settings
 
 

@@ -3,11 +3,11 @@
     python examples/export_specforge.py --out /tmp/hs-specforge [--samples 16]
 
 Extracts EAGLE-3's aux layers (2, L/2, L-3) and the post-norm final state of the embedded tiny
-Llama into a store, exports it with `hscapture export STORE OUT --format specforge`, then reads
-every file as SpecForge's offline EAGLE-3 dataset does (``OfflineEagle3Dataset`` in
-specforge/data/preprocessing.py: walk OUT for ``*.ckpt``, ``torch.load(..., mmap=True)``,
-``aux_hidden_state`` is the drafter's input, ``hidden_state`` its target) and checks each
-against the store. Train with SpecForge's offline mode pointed at OUT/specforge.
+Llama into a store, exports it with `hscapture export STORE OUT --format specforge`, then opens
+every file as SpecForge's offline reader does (walk OUT for ``*.ckpt``, ``torch.load(...,
+mmap=True)``; ``aux_hidden_state`` is the drafter's input, ``hidden_state`` its target) and
+checks each against the store. tests/test_export.py runs SpecForge's own loader over such an
+export. Train with SpecForge's offline mode pointed at OUT/specforge.
 """
 
 import argparse

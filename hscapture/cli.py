@@ -4,22 +4,34 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import logging
 import os
+import re
 import signal
+import subprocess
 import sys
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
-from hscapture.config import STORE_DTYPES, MiB, default_endpoint
+from hscapture.config import ConsumerConfig, MiB
 from hscapture.errors import HSCaptureError
-from hscapture.export import FORMATS
+from hscapture.export import ExportOptions
+from hscapture.extract import ExtractOptions
+from hscapture.serve import ServeOptions
+
+#: Old spellings still accepted, per command: old flag -> the flag to use.
+RENAMED = {"extract": {"--shard-size": "--shard-bytes"}}
 
 
 def _layers(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.replace(",", " ").split())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give layer ids as integers, e.g. --layers 2,16,29") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: give layer ids as integers, e.g. 2,16,29") from None
 
 
 def _size(text: str) -> int:
@@ -34,10 +46,143 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: give a size like 256M, 1G or 4096") from None
 
 
-STORE_DTYPE_HELP = (
-    "fp8: store rows as float8_e4m3fn with one float32 scale per row, half the bytes of bf16, quantized by "
-    "the consumer (default: as captured, or as the existing store does)"
-)
+def _size_text(value: int) -> str:
+    """'256M' for 256 MiB: the inverse of ``_size`` for whole units."""
+    for unit, scale in (("G", 1 << 30), ("M", MiB), ("K", 1 << 10)):
+        if value and value % scale == 0:
+            return f"{value // scale}{unit}"
+    return str(value)
+
+
+# ------------------------------------------------------------------- flags from options dataclasses
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The ``#:`` comment lines right above each field of a dataclass, joined: the field's documentation."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        lines = inspect.getsourcelines(cls)[0]
+    except (OSError, TypeError):  # no source shipped: flags without help text
+        return {}
+    docs: dict[str, str] = {}
+    pending: list[str] = []
+    for line in lines:
+        text = line.strip()
+        if text.startswith("#:"):
+            pending.append(text[2:].strip())
+            continue
+        match = re.match(r"(\w+)\s*:", text)
+        if match and match.group(1) in names and pending:
+            docs[match.group(1)] = " ".join(pending)
+        pending = []
+    return docs
+
+
+def _field_type(hint: Any) -> Any:
+    """``X`` from ``X | None``."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 else hint
+
+
+def _parse_type(cls: type, name: str, kind: Any) -> Any:
+    """The argparse ``type`` of a field: sizes for ``*_bytes``, comma lists for ``tuple[int, ...]``."""
+    if kind is int and name.endswith("_bytes"):
+        return _size
+    if kind in (int, float, str, Path):
+        return kind
+    if typing.get_origin(kind) is tuple and typing.get_args(kind) == (int, ...):
+        return _layers
+    raise TypeError(
+        f"{cls.__name__}.{name}: no command-line form for {kind}; give the field metadata=flag(cli=False) "
+        "or a type the command line parses (int, float, str, Path, bool, tuple[int, ...])"
+    )
+
+
+def _help(doc: str, default: Any, name: str) -> str:
+    """The field's documentation as help text, with its default."""
+    text = re.sub(r"``([^`]*)``", r"\1", doc).rstrip(".")
+    text = text[:1].lower() + text[1:] if text[1:2].islower() else text
+    if default is True:
+        return f"{text} (default: on)"
+    if default is None or default is False or default is dataclasses.MISSING or isinstance(default, list):
+        return text
+    if name.endswith("_bytes"):
+        default = _size_text(default)
+    elif isinstance(default, tuple):
+        default = ",".join(map(str, default))
+    return f"{text} (default: {default})".replace("%", "%%")
+
+
+def add_option_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One command-line argument per field of an options dataclass.
+
+    ``--field-name`` (or ``flag(name=...)``, ``flag(positional=...)``), its ``#:`` comment as the
+    help text, parsed by its type; a boolean that defaults to true gets ``--name``/``--no-name``.
+    A field without a default is required. List fields are argument lists handed on, not flags.
+    Unset flags stay out of the namespace, so the dataclass's own defaults apply
+    (:func:`options_from`).
+    """
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get("cli", {})
+        kind = _field_type(hints[f.name])
+        if not meta.get("cli", True) or typing.get_origin(kind) is list:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        kwargs: dict[str, Any] = {"help": _help(docs.get(f.name, ""), default, f.name)}
+        if meta.get("choices"):
+            kwargs["choices"] = list(meta["choices"])
+        if meta.get("positional"):
+            parser.add_argument(f.name, metavar=meta["positional"], type=_parse_type(cls, f.name, kind), **kwargs)
+            continue
+        name = meta.get("name") or "--" + f.name.replace("_", "-")
+        kwargs.update(dest=f.name, default=argparse.SUPPRESS, required=default is dataclasses.MISSING)
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        else:
+            kwargs["type"] = _parse_type(cls, f.name, kind)
+            if "choices" not in kwargs:
+                kwargs["metavar"] = name[2:].upper().replace("-", "_")
+        parser.add_argument(name, **kwargs)
+
+
+def options_from(cls: type, args: argparse.Namespace) -> Any:
+    """The options dataclass from the parsed flags (fields not given keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in vars(args).items() if name in names})
+
+
+class _Renamed(argparse.Action):
+    """An old spelling of a flag: still accepted, with a note naming the one to use."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        print(f"{parser.prog}: {option} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _add_renamed(parser: argparse.ArgumentParser, command: str) -> None:
+    """The old spellings of a command's flags, hidden from --help."""
+    actions = {option: action for action in parser._actions for option in action.option_strings}
+    for old, new in RENAMED.get(command, {}).items():
+        target = actions[new]
+        parser.add_argument(
+            old,
+            dest=target.dest,
+            type=target.type,
+            action=_Renamed,
+            new=new,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,33 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Offline bulk extraction. With no --model and no --data it uses an embedded tiny Llama "
         "and 200 demo conversations, so it runs anywhere without downloads.",
     )
-    ext.add_argument("--out", type=Path, required=True, help="store directory (resumed if it exists)")
-    ext.add_argument("--model", type=Path, help="local HF model directory (default: embedded tiny Llama)")
-    ext.add_argument("--data", type=Path, help="JSONL: OpenAI messages, ShareGPT conversations, prompt or text")
-    ext.add_argument(
-        "--layers", type=_layers, help="layer ids k = residual stream entering layer k (default: EAGLE-3's 2,L/2,L-3)"
-    )
-    ext.add_argument("--no-last", action="store_true", help="do not capture the post-norm final hidden state")
-    ext.add_argument("--dtype", help="bfloat16, float16 or float32 (default: the model's dtype)")
-    ext.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
-    ext.add_argument("--max-length", type=int, help="truncate samples to this many tokens")
-    ext.add_argument("--max-batch-tokens", type=int, default=4096, help="padded tokens per forward (default 4096)")
-    ext.add_argument("--max-batch-size", type=int, default=64, help="samples per forward (default 64)")
-    ext.add_argument("--limit", type=int, help="stop after this many samples")
-    ext.add_argument("--shard-size", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
-    ext.add_argument("--store-dtype", choices=sorted(STORE_DTYPES), help=STORE_DTYPE_HELP)
-    ext.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ext.add_argument(
-        "--engine", choices=("hf", "sglang"), default="hf", help="hf (transformers) or sglang (sglang.Engine)"
-    )
-    ext.add_argument(
-        "--mode",
-        choices=("teacher", "regenerate"),
-        default="teacher",
-        help="sglang: teacher = the data's tokens; regenerate = the model writes the last assistant turn",
-    )
-    ext.add_argument("--max-new-tokens", type=int, default=512, help="regenerate: tokens per answer (default 512)")
-    ext.add_argument("--temperature", type=float, default=0.0, help="regenerate: sampling temperature (default 0)")
+    add_option_flags(ext, ExtractOptions)
+    _add_renamed(ext, "extract")
 
     con = commands.add_parser(
         "consume",
@@ -87,18 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The consumer process: attaches to a producer (also one started later or restarted), copies "
         "ring slots out, releases them, and writes shards. Stops cleanly on Ctrl-C.",
     )
-    con.add_argument("--out", type=Path, help="store directory (appended to if it exists)")
-    con.add_argument("--endpoint", default=default_endpoint(), help="producer endpoint (default: %(default)s)")
-    con.add_argument("--shard-bytes", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
-    con.add_argument("--writer-threads", type=int, default=2, help="threads writing shards (default 2)")
-    con.add_argument("--flush-s", type=float, default=30.0, help="write an open shard after this many seconds")
-    con.add_argument("--heartbeat-ms", type=int, default=200, help="hello/heartbeat period (default 200)")
-    con.add_argument("--exit-on-eos", action="store_true", help="exit at the producer's end of stream")
-    con.add_argument("--delay-ms", type=float, default=0.0, help="sleep per chunk (simulate a slow consumer)")
-    con.add_argument("--watch-pid", type=int, help="finish and exit when this process is gone")
-    con.add_argument("--token", help="the producer's token (default: read beside an ipc:// endpoint)")
-    con.add_argument("--store-dtype", choices=sorted(STORE_DTYPES), help=STORE_DTYPE_HELP)
-    con.add_argument("--discard", action="store_true", help="copy out and release but write nothing (benchmarks)")
+    add_option_flags(con, ConsumerConfig)
     con.add_argument("--quiet", action="store_true", help="print nothing but warnings (no stats lines)")
     con.add_argument("--stats-s", type=float, default=10.0, help="seconds between stats lines on stderr (default 10)")
     con.add_argument(
@@ -116,15 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and requests still in flight are marked incomplete.",
         usage="hscapture serve --out DIR [options] -- --model-path MODEL [sglang server args]",
     )
-    srv.add_argument("--out", type=Path, required=True, help="store directory (appended to if it exists)")
-    srv.add_argument("--layers", type=_layers, help="layer ids k = residual stream entering layer k (default: EAGLE-3)")
-    srv.add_argument("--no-last", action="store_true", help="do not capture the post-norm final hidden state")
-    srv.add_argument(
-        "--policy", choices=("drop", "block"), default="drop", help="drop: serving never waits (default); block"
-    )
-    srv.add_argument("--endpoint", help="base ZeroMQ endpoint (default: a private ipc:// path)")
-    srv.add_argument("--shard-bytes", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
-    srv.add_argument("--slot-bytes", type=_size, default=4 * MiB, help="bytes per ring slot (default 4M)")
+    add_option_flags(srv, ServeOptions)
     srv.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then SGLang server arguments")
 
     ver = commands.add_parser(
@@ -141,21 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp = commands.add_parser(
         "export",
         help="write a store as a drafter trainer's training files (SpecForge or speculators)",
-        description="specforge: rows_*/data_{i}.ckpt as SpecForge's offline EAGLE-3 dataset reads them (aux layers "
-        "concatenated, post-norm last state). speculators: an Arrow table plus hidden_states/hs_{i}.safetensors as "
-        "speculators' ArrowDataset reads them (aux layers then layer L, before the final norm). Resumable: a rerun "
-        "writes only what is missing.",
+        description="specforge: rows_*/data_{i}.ckpt as SpecForge's offline EAGLE-3 path reads them (three aux "
+        "layers concatenated, post-norm last state). speculators: an Arrow table plus hidden_states/hs_{i}.safetensors "
+        "as speculators' ArrowDataset reads them (aux layers then layer L, before the final norm). Samples with an "
+        "empty loss mask are left out. Resumable: a rerun writes only what is missing.",
     )
-    exp.add_argument("dir", type=Path, metavar="DIR", help="store directory")
-    exp.add_argument("out", type=Path, metavar="OUT", help="output directory (resumed if it holds this export)")
-    exp.add_argument("--format", required=True, choices=FORMATS, help="the trainer's layout")
-    exp.add_argument("--aux-layers", type=_layers, help="aux layer ids (default: every captured layer below L)")
-    exp.add_argument("--num-layers", type=int, help="the model's decoder layers L, if the store does not record it")
-    exp.add_argument(
-        "--include-incomplete", action="store_true", help="also export incomplete samples (rows up to the first gap)"
-    )
-    exp.add_argument("--limit", type=int, help="export only the first N eligible samples")
-    exp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_option_flags(exp, ExportOptions)
 
     ins = commands.add_parser(
         "inspect",
@@ -210,99 +302,54 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _extract(args: argparse.Namespace) -> int:
-    from hscapture.extract import ExtractOptions, extract
+    from hscapture.extract import extract
 
-    options = ExtractOptions(
-        out=args.out,
-        model=args.model,
-        data=args.data,
-        layers=args.layers,
-        capture_last=not args.no_last,
-        dtype=args.dtype,
-        device=args.device,
-        max_length=args.max_length,
-        max_batch_tokens=args.max_batch_tokens,
-        max_batch_size=args.max_batch_size,
-        limit=args.limit,
-        shard_bytes=args.shard_size,
-        store_dtype=args.store_dtype,
-        progress=not args.no_progress,
-        engine=args.engine,
-        mode=args.mode,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-    )
+    options: ExtractOptions = options_from(ExtractOptions, args)
     try:
         summary = extract(options)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; run the same command again to resume into {args.out}", file=sys.stderr)
+        print(f"\ninterrupted; run the same command again to resume into {options.out}", file=sys.stderr)
         return 130
     store = summary.store
     if not store:
-        print(f"nothing to capture: {args.data or 'the demo data'} has no samples", file=sys.stderr)
+        print(f"nothing to capture: {options.data or 'the demo data'} has no samples", file=sys.stderr)
         return 1
     print(
         f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
         f"({summary.tokens_per_s:.0f} tok/s); {summary.skipped} were already there\n"
-        f"store {args.out}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
+        f"store {options.out}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
         f"{store['rows']} rows, {store['shards']} shards, {store['bytes'] / MiB:.1f} MiB, "
         f"{store['rows_dropped']} rows dropped\n"
-        f"read it: python -c \"from hscapture import open_store; s = open_store('{args.out}'); "
+        f"read it: python -c \"from hscapture import open_store; s = open_store('{options.out}'); "
         'print(s.get(s.keys()[0]))"'
     )
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from hscapture.serve import ServeOptions, serve
+    from hscapture.serve import serve
 
     sglang_args = args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args
-    options = ServeOptions(
-        out=args.out,
-        layers=args.layers,
-        capture_last=not args.no_last,
-        policy=args.policy,
-        endpoint=args.endpoint,
-        shard_bytes=args.shard_bytes,
-        slot_bytes=args.slot_bytes,
-    )
-    return serve(options, sglang_args)
+    return serve(options_from(ServeOptions, args), sglang_args)
 
 
 def _bench(suite_args: list[str]) -> int:
-    """Hand over to ``benchmarks/run.py``: the suites live beside the package, not inside it."""
+    """Run ``benchmarks/run.py`` of the source checkout in its own process: the suites are not part of the package."""
     root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "run.py").is_file():
+    script = root / "benchmarks" / "run.py"
+    if not script.is_file():
         raise ValueError(
-            f"no benchmarks/run.py beside {root / 'hscapture'}; the suites ship with the source checkout "
-            "(git clone, then pip install -e '.[bench]')"
+            f"no benchmarks/run.py beside {root / 'hscapture'}: the suites ship with the source checkout, not the "
+            "package; git clone the repository, pip install -e '.[bench]' there, and run hscapture bench from it"
         )
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks.run import main as run_suite
-
-    return run_suite(suite_args or ["--help"])
+    return subprocess.call([sys.executable, str(script), *(suite_args or ["--help"])])
 
 
 def _consume(args: argparse.Namespace) -> int:
-    from hscapture.config import ConsumerConfig
     from hscapture.consumer import Consumer
     from hscapture.metrics import MetricsReporter
 
-    config = ConsumerConfig(
-        out_dir=args.out,
-        endpoint=args.endpoint,
-        shard_bytes=args.shard_bytes,
-        writer_threads=args.writer_threads,
-        flush_s=args.flush_s,
-        heartbeat_ms=args.heartbeat_ms,
-        exit_on_eos=args.exit_on_eos,
-        delay_ms=args.delay_ms,
-        watch_pid=args.watch_pid,
-        discard=args.discard,
-        token=args.token,
-        store_dtype=args.store_dtype,
-    )
+    config: ConsumerConfig = options_from(ConsumerConfig, args)
     consumer = Consumer(config)
     try:
         reporter = MetricsReporter(
@@ -320,7 +367,9 @@ def _consume(args: argparse.Namespace) -> int:
     if reporter.address is not None:
         print(f"hscapture consume: metrics at {reporter.address}", file=sys.stderr, flush=True)
     if not args.quiet:
-        print(f"consuming {args.endpoint} into {args.out}; Ctrl-C finishes the store and exits", file=sys.stderr)
+        print(
+            f"consuming {config.endpoint} into {config.out_dir}; Ctrl-C finishes the store and exits", file=sys.stderr
+        )
     try:
         stats = consumer.run()
     finally:
@@ -359,31 +408,27 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from hscapture.export import ExportOptions, export
+    from hscapture.export import export
 
-    options = ExportOptions(
-        store=args.dir,
-        out=args.out,
-        format=args.format,
-        aux_layers=args.aux_layers,
-        num_layers=args.num_layers,
-        include_incomplete=args.include_incomplete,
-        limit=args.limit,
-        progress=not args.no_progress,
-    )
+    options: ExportOptions = options_from(ExportOptions, args)
     try:
         summary = export(options)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; run the same command again to finish {args.out}", file=sys.stderr)
+        print(f"\ninterrupted; run the same command again to finish {options.out}", file=sys.stderr)
         return 130
     lines = [
-        f"{args.format}: wrote {summary.written} samples, {summary.kept} were already there; {args.out} holds "
+        f"{options.format}: wrote {summary.written} samples, {summary.kept} were already there; {options.out} holds "
         f"{summary.total} (aux {', '.join(summary.aux)}; final {summary.final})"
     ]
     if summary.skipped_incomplete:
         lines.append(
             f"{summary.skipped_incomplete} incomplete samples skipped "
             "(--include-incomplete exports their rows up to the first gap)"
+        )
+    if summary.skipped_empty_loss_mask:
+        lines.append(
+            f"{summary.skipped_empty_loss_mask} samples with an empty loss mask left out, nothing in them is trained "
+            "on (--keep-empty-loss-mask exports them)"
         )
     if summary.empty_loss_mask:
         lines.append(

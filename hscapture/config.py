@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -54,6 +54,34 @@ def dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise ValueError(f"dtype {dtype} is not supported for capture; use one of {sorted(DTYPES)}")
+
+
+def eagle3_default_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default aux layers in hscapture's convention: ``[2, L // 2, L - 3]``.
+
+    These are the tensors SGLang captures by default and SpecForge's ``[1, L//2-1, L-4]``
+    names with ids one lower.
+    """
+    return tuple(sorted({2, num_layers // 2, num_layers - 3}))
+
+
+def flag(
+    *, name: str | None = None, positional: str | None = None, choices: Sequence[str] | None = None, cli: bool = True
+) -> dict[str, Any]:
+    """Metadata for the command-line flag an options-dataclass field becomes (``hscapture.cli`` reads it).
+
+    A field is a flag by default: ``--field-name``, its ``#:`` comment as the help text, parsed by
+    its type (``*_bytes`` fields take sizes like ``256M``). Pass this as ``field(metadata=...)``
+    only to change that.
+
+    Args:
+        name: the flag's spelling instead of ``--field-name`` (for a boolean that defaults to
+            true, the spelling whose ``--no-`` form turns it off).
+        positional: make it a positional argument shown as this name.
+        choices: the values it accepts.
+        cli: False keeps the field off the command line.
+    """
+    return {"cli": {"name": name, "positional": positional, "choices": choices, "cli": cli}}
 
 
 def check_layer_ids(layers: Sequence[int], num_layers: int) -> None:
@@ -214,15 +242,15 @@ class CaptureConfig:
 class ConsumerConfig:
     """The consumer process's settings; what to read comes from the producer's handshake."""
 
-    #: Where the store is written (created; an existing store is appended to); None with ``discard``.
-    out_dir: Path | None
-    #: Base ZeroMQ endpoint of the producer to attach to.
+    #: Store directory (created; an existing store is appended to); none when discarding.
+    out_dir: Path | None = field(default=None, metadata=flag(name="--out"))
+    #: The producer's base ZeroMQ endpoint to attach to.
     endpoint: str = field(default_factory=default_endpoint)
-    #: Target bytes of one shard file.
+    #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
     #: Threads writing shards to disk in parallel.
     writer_threads: int = 2
-    #: A shard open longer than this is written even if not full (quiet servers still persist).
+    #: Write an open shard after this many seconds even if not full (so a quiet server's rows persist).
     flush_s: float = 30.0
     #: How often the consumer says hello while waiting, and heartbeats while attached.
     heartbeat_ms: int = 200
@@ -234,11 +262,12 @@ class ConsumerConfig:
     watch_pid: int | None = None
     #: Copy chunks out and release them but write nothing (drain-rate benchmarks).
     discard: bool = False
-    #: The producer's token; None reads it from the file beside an ipc:// endpoint.
+    #: The producer's token (default: read from the file beside an ipc:// endpoint).
     token: str | None = None
-    #: ``fp8`` stores rows as float8_e4m3fn with one scale per row (quantized by the writer
-    #: threads, not the engine); None stores them as captured (or as the existing store does).
-    store_dtype: str | None = None
+    #: ``fp8`` stores rows as float8_e4m3fn with one float32 scale per row, half the bytes of bf16,
+    #: quantized by the writer threads, not the engine; unset stores them as captured (or as the
+    #: existing store does).
+    store_dtype: str | None = field(default=None, metadata=flag(choices=sorted(STORE_DTYPES)))
 
     def __post_init__(self) -> None:
         self.store_dtype = store_dtype_name(self.store_dtype)

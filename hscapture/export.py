@@ -1,16 +1,20 @@
 """Export a store into the files a drafter trainer reads: SpecForge's offline EAGLE-3 data, or speculators'.
 
 ``specforge``: one ``torch.save``'d dict per sample, ``rows_{g}-{g+2000}/data_{i}.ckpt``, as
-SpecForge's ``scripts/prepare_hidden_states.py`` writes and its ``OfflineEagle3Dataset`` reads:
-``input_ids`` and ``loss_mask`` ``[seq]`` int64, ``hidden_state`` ``[1, seq, H]`` (the post-norm
-final state, ``last``) and ``aux_hidden_state`` ``[1, seq, n*H]`` (the aux layers concatenated,
-in ascending layer order).
+SpecForge's ``scripts/prepare_hidden_states.py`` writes them and its offline path reads them
+(``OfflineManifestReader`` -> ``LocalFeatureStore`` -> ``FeatureDataLoader`` with EAGLE-3's
+``normalize_offline_sample``): ``input_ids`` and ``loss_mask`` ``[seq]`` int64, ``hidden_state``
+``[1, seq, H]`` (the post-norm final state, ``last``) and ``aux_hidden_state`` ``[1, seq, 3*H]``
+(three aux layers concatenated, in ascending layer order: SpecForge's EAGLE-3 draft asserts 3H).
 
 ``speculators``: what its ``ArrowDataset`` reads from a data directory: a datasets Arrow table
 (``input_ids``, ``loss_mask``, ``seq_len``; row ``i``) and ``hidden_states/hs_{i}.safetensors``
 with ``token_ids`` ``[seq]`` int64 and ``hidden_states`` ``[seq, n+1, H]``: the aux layers in
 ascending order, then layer ``L``, the residual stream leaving the last decoder layer *before*
 the final norm (vLLM's aux id ``L``; speculators applies the verifier's norm to it itself).
+
+Samples with an empty loss mask (no trained token) are left out and counted, as speculators'
+own data preparation drops them, unless ``keep_empty_loss_mask``.
 
 Sample ``i`` keeps its number across reruns: ``hscapture-export.jsonl`` in the output directory
 lists every file once it is durable, so an interrupted export resumes where it stopped and a
@@ -32,6 +36,7 @@ import safetensors.torch
 import torch
 from tqdm import tqdm
 
+from hscapture.config import eagle3_default_layers, flag
 from hscapture.errors import StoreError
 from hscapture.reader import Store, open_store
 from hscapture.store import write_atomic
@@ -41,27 +46,35 @@ MANIFEST = "hscapture-export.jsonl"
 MANIFEST_VERSION = 1
 #: Files per ``rows_{start}-{end}`` folder, as SpecForge's prepare_hidden_states.py groups them.
 SPECFORGE_GROUP = 2000
+#: Aux layers SpecForge's EAGLE-3 draft reads (``project_hidden_states`` asserts ``3 * hidden``).
+SPECFORGE_AUX = 3
 LAST = "last"
 _LAYER = re.compile(r"layer_(\d+)")
 
 
 @dataclass
 class ExportOptions:
-    """What ``hscapture export`` does; every field has the CLI flag of the same name."""
+    """What ``hscapture export`` does; every field is the command-line flag of the same name."""
 
     #: The hscapture store to read.
-    store: Path
+    store: Path = field(metadata=flag(positional="DIR"))
     #: Output directory (created; resumed if it holds an export of the same kind).
-    out: Path
-    #: ``specforge`` or ``speculators``.
-    format: str
-    #: Aux layer ids to export, ascending in the output; None = every captured layer below ``L``.
+    out: Path = field(metadata=flag(positional="OUT"))
+    #: The trainer whose layout to write: ``specforge`` or ``speculators``.
+    format: str = field(metadata=flag(choices=FORMATS))
+    #: Aux layer ids, ascending in the output (default: every captured layer below ``L``).
     aux_layers: tuple[int, ...] | None = None
+    #: ``specforge``: export other than three aux layers, for a draft model of your own
+    #: (SpecForge's EAGLE-3 draft asserts exactly three).
+    any_aux_count: bool = False
     #: The model's decoder layer count ``L``, when the store's runs do not record it.
     num_layers: int | None = None
     #: Also export incomplete samples (their rows from position 0 up to the first gap).
     include_incomplete: bool = False
-    #: Export only the first this many eligible samples of the store.
+    #: Also export samples whose loss mask is empty (nothing in them is trained on); by default
+    #: they are left out and counted, as speculators' own data preparation drops them.
+    keep_empty_loss_mask: bool = False
+    #: Export only the first this many samples of the store (complete ones, unless including incomplete).
     limit: int | None = None
     #: Show a progress bar.
     progress: bool = True
@@ -75,7 +88,9 @@ class ExportSummary:
     kept: int = 0
     #: Incomplete samples left out (all, unless ``include_incomplete``; then those lacking position 0).
     skipped_incomplete: int = 0
-    #: Samples written by this run whose loss mask is empty (nothing in them is trained on).
+    #: Samples left out because their loss mask is empty (unless ``keep_empty_loss_mask``).
+    skipped_empty_loss_mask: int = 0
+    #: Samples written by this run whose loss mask is empty (with ``keep_empty_loss_mask``).
     empty_loss_mask: int = 0
     #: Samples the output holds now.
     total: int = 0
@@ -103,7 +118,7 @@ def export(options: ExportOptions) -> ExportSummary:
     if options.limit is not None and options.limit < 0:
         raise ValueError(f"--limit: {options.limit} is negative; give how many samples to export")
     store = open_store(options.store)
-    tensors = choose_tensors(store, options.format, options.aux_layers, options.num_layers)
+    tensors = choose_tensors(store, options.format, options.aux_layers, options.num_layers, options.any_aux_count)
     writer = _WRITERS[options.format]
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,19 +135,25 @@ def export(options: ExportOptions) -> ExportSummary:
         if not len(sample["input_ids"]):  # an incomplete sample without position 0: nothing to train on
             summary.skipped_incomplete += 1
             continue
+        empty = not bool(sample["loss_mask"].any())
+        if empty and not options.keep_empty_loss_mask:
+            summary.skipped_empty_loss_mask += 1
+            continue
         path = writer.path(out, index)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, writer.encode(sample, tensors))
         manifest.add({"index": index, "id": key, "rows": len(sample["input_ids"]), "file": str(path.relative_to(out))})
         summary.written += 1
-        summary.empty_loss_mask += not bool(sample["loss_mask"].any())
+        summary.empty_loss_mask += empty
     summary.total = len(manifest.entries)
     if writer.finish is not None:
         writer.finish(out, store, manifest, summary.written > 0, options.progress)
     return summary
 
 
-def choose_tensors(store: Store, format: str, aux_layers: tuple[int, ...] | None, num_layers: int | None) -> _Tensors:
+def choose_tensors(
+    store: Store, format: str, aux_layers: tuple[int, ...] | None, num_layers: int | None, any_aux_count: bool = False
+) -> _Tensors:
     """The store's tensors that make the format's aux and final states, or a clear error."""
     names = store.tensor_names
     layers = sorted(int(m.group(1)) for name in names if (m := _LAYER.fullmatch(name)))
@@ -154,6 +175,8 @@ def choose_tensors(store: Store, format: str, aux_layers: tuple[int, ...] | None
             "Capture them: hscapture extract --layers 2,16,29 (for L=32), or CaptureConfig(layers=...)"
         )
     if format == "specforge":
+        if len(aux) != SPECFORGE_AUX and not any_aux_count:
+            raise ValueError(_specforge_aux_error(aux, layers, total, holds))
         if LAST not in names:
             raise ValueError(
                 f"--format specforge needs '{LAST}', the hidden state after the model's final norm (SpecForge's "
@@ -175,6 +198,36 @@ def choose_tensors(store: Store, format: str, aux_layers: tuple[int, ...] | None
             f"{','.join(map(str, [*aux, total]))} (or CaptureConfig(layers=(..., {total})))"
         )
     return _Tensors([f"layer_{k}" for k in aux], final)
+
+
+def _specforge_aux_error(aux: list[int], captured: list[int], total: int | None, holds: str) -> str:
+    """Why a specforge export needs three aux layers, and which three to take (or capture)."""
+    problem = (
+        f"--format specforge: SpecForge's EAGLE-3 draft reads exactly {SPECFORGE_AUX} aux layers (its "
+        f"project_hidden_states asserts an aux_hidden_state of {SPECFORGE_AUX} x hidden), and this export would "
+        f"have {len(aux)}: {aux}"
+    )
+    override = "; or pass --any-aux-count for a draft model of your own that reads another number"
+    if total is None:
+        return (
+            f"{problem}. Pick three with --aux-layers (EAGLE-3's are 2, L/2, L-3; give L with --num-layers to "
+            f"see them); {holds}{override}"
+        )
+    eagle = list(eagle3_default_layers(total))
+    ids = ",".join(map(str, eagle))
+    if len(eagle) < SPECFORGE_AUX:
+        return (
+            f"{problem}. A model of {total} decoder layers has no three distinct EAGLE-3 layers (2, L/2, L-3): "
+            f"capture three of 0..{total - 1} and pick them with --aux-layers; {holds}{override}"
+        )
+    if set(eagle) <= set(captured):
+        return f"{problem}. Pick EAGLE-3's 2, L/2, L-3 for L={total}: --aux-layers {ids}{override}"
+    below = [k for k in captured if k < total]
+    pick = f" or three of the captured {below} with --aux-layers" if len(below) >= SPECFORGE_AUX else ""
+    return (
+        f"{problem}. Capture EAGLE-3's 2, L/2, L-3 for L={total}: hscapture extract --layers {ids} (or "
+        f"CaptureConfig(layers=...)){pick}; {holds}{override}"
+    )
 
 
 def _recorded_num_layers(store: Store) -> int | None:

@@ -21,7 +21,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hscapture.config import DTYPES, CaptureConfig, MiB, dtype_name, ensure_writable_dir, store_dtype_name
+from hscapture.config import (
+    DTYPES,
+    STORE_DTYPES,
+    CaptureConfig,
+    MiB,
+    dtype_name,
+    ensure_writable_dir,
+    flag,
+    store_dtype_name,
+)
 from hscapture.consumer import consume_command
 from hscapture.data import Sample, load_samples, pad_batch, plan_batches
 from hscapture.errors import HSCaptureError
@@ -35,21 +44,21 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExtractOptions:
-    """What ``hscapture extract`` does; every field has the CLI flag of the same name."""
+    """What ``hscapture extract`` does; every field is the command-line flag of the same name."""
 
     #: Store directory to write (appended to and resumed if it exists).
     out: Path
-    #: HF model directory; None builds and uses the embedded tiny Llama.
+    #: Local HF model directory (default: the embedded tiny Llama, built on first use).
     model: Path | None = None
-    #: JSONL dataset; None writes and uses the embedded 200-conversation demo set.
+    #: JSONL of OpenAI messages, ShareGPT conversations, prompt or text records (default: 200 demo conversations).
     data: Path | None = None
-    #: Layer ids (residual stream entering layer k); None = EAGLE-3 default ``[2, L//2, L-3]``.
+    #: Layer ids, k = the residual stream entering decoder layer k (default: EAGLE-3's 2, L/2, L-3).
     layers: tuple[int, ...] | None = None
-    #: Also capture the post-norm final hidden state.
-    capture_last: bool = True
-    #: Activation/storage dtype name; None = the model's own dtype.
+    #: Also capture the post-norm final hidden state (what the LM head reads).
+    capture_last: bool = field(default=True, metadata=flag(name="--last"))
+    #: Activation and storage dtype: bfloat16, float16 or float32 (default: the model's own).
     dtype: str | None = None
-    #: Device to run the model on.
+    #: Torch device to run the model on.
     device: str = "cpu"
     #: Truncate samples to this many tokens.
     max_length: int | None = None
@@ -61,20 +70,22 @@ class ExtractOptions:
     limit: int | None = None
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
-    #: ``fp8``: the consumer stores rows as float8_e4m3fn with a per-row scale; None: as captured.
-    store_dtype: str | None = None
-    #: Writer threads of the consumer.
+    #: ``fp8``: the consumer stores rows as float8_e4m3fn with one float32 scale per row, half the
+    #: bytes of bf16 (default: as captured, or as the existing store does).
+    store_dtype: str | None = field(default=None, metadata=flag(choices=sorted(STORE_DTYPES)))
+    #: Threads of the consumer writing shards.
     writer_threads: int = 2
     #: Show a progress bar.
     progress: bool = True
     #: Extra arguments for the consumer process (e.g. ``["--delay-ms", "5"]`` in tests).
     consumer_args: list[str] = field(default_factory=list)
     #: ``hf`` (transformers, in this process) or ``sglang`` (``sglang.Engine`` with the plugin).
-    engine: str = "hf"
+    engine: str = field(default="hf", metadata=flag(choices=("hf", "sglang")))
     #: SGLang only: ``teacher`` (the data's tokens) or ``regenerate`` (the model writes the last turn).
-    mode: str = "teacher"
-    #: SGLang regenerate mode: most tokens generated per sample, and the sampling temperature.
+    mode: str = field(default="teacher", metadata=flag(choices=("teacher", "regenerate")))
+    #: SGLang regenerate mode: most tokens generated per sample.
     max_new_tokens: int = 512
+    #: SGLang regenerate mode: the sampling temperature.
     temperature: float = 0.0
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hscapture.config import MiB, ensure_writable_dir
+from hscapture.config import POLICIES, MiB, ensure_writable_dir, flag
 from hscapture.consumer import consume_command
 from hscapture.integrations.sglang import (
     CPU_SERVER_ARGS,
@@ -37,19 +37,25 @@ from hscapture.reader import open_store
 
 @dataclass
 class ServeOptions:
-    """What ``hscapture serve`` does; every field has the CLI flag of the same name."""
+    """What ``hscapture serve`` does; every field is the command-line flag of the same name."""
 
+    #: Store directory (appended to if it exists; one per attention-DP group below it with DP).
     out: Path
-    #: hscapture layer ids (residual stream entering layer k); None = SGLang's EAGLE-3 default.
+    #: Layer ids, k = the residual stream entering decoder layer k (default: SGLang's EAGLE-3 layers).
     layers: tuple[int, ...] | None = None
-    capture_last: bool = True
+    #: Also capture the post-norm final hidden state (what the LM head reads).
+    capture_last: bool = field(default=True, metadata=flag(name="--last"))
     #: ``drop`` (serving never waits; drops are counted) or ``block`` (nothing lost).
-    policy: str = "drop"
+    policy: str = field(default="drop", metadata=flag(choices=POLICIES))
+    #: Base ZeroMQ endpoint (default: a private ipc:// path).
     endpoint: str | None = None
+    #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
+    #: Bytes of one ring slot.
     slot_bytes: int = 4 * MiB
     #: Seconds the consumers get to close the store after the server stopped.
     grace_s: float = 30.0
+    #: Extra arguments for the consumer processes (tests).
     consumer_args: list[str] = field(default_factory=list)
 
 

@@ -85,12 +85,12 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subp
     base = tmp_path_factory.mktemp("bench")
     results, readme = base / "results", base / "README.md"
     readme.write_text(README_TEXT)
-    (base / "work").mkdir()
     done = run_bench(
         "benchmarks/run.py", "gpu", "--tiny", "--device", "cpu", "--results-dir", results, "--readme", readme,
-        "--work-dir", base / "work",
+        "--work-dir", base / "work" / "new",  # created by the suite
     )  # fmt: skip
     assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    assert (base / "work" / "new").is_dir()
     return results, readme, done
 
 
@@ -173,6 +173,17 @@ def test_gpu_suite_refuses_bad_settings_naming_the_option(tmp_path: Path) -> Non
     assert done.returncode == 2
     assert "--prefill-tokens 65 is not a multiple of --prefill-seqs 2" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_suite_refuses_a_work_dir_it_cannot_create(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    done = run_bench(
+        "benchmarks/run.py", "gpu", "--tiny", "--device", "cpu", "--results-dir", tmp_path / "results",
+        "--work-dir", tmp_path / "a-file" / "work",
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--work-dir: " in done.stderr and "a-file/work' is not writable" in done.stderr
+    assert not (tmp_path / "results").exists()
 
 
 def test_update_readme_leaves_a_readme_without_markers_alone(tmp_path: Path) -> None:

@@ -1,81 +1,137 @@
-"""How the two drafter trainers read their training files, re-implemented to load our exports.
+"""The drafter trainers' own data loading, run over an export: SpecForge 0.2.0 and speculators 0.9.0.
 
-Each function follows the named upstream code step for step (same calls, same slicing, same
-checks), written out here because neither trainer can be installed in the test environment.
-Nothing else of theirs is reproduced.
-
-* SpecForge, sgl-project/SpecForge @ a6b6b0230009d15ec2a97a57384e6f53f0f96946,
-  ``specforge/data/preprocessing.py``: ``list_local_files``, ``OfflineEagle3Dataset._open_file``
-  and ``OfflineEagle3Dataset.process_data`` (the non-sequence-parallel path).
-* speculators, vllm-project/speculators @ c05b95b303f7d4f21e8d7624e0ffa1c2d9b4d73b,
-  ``src/speculators/train/data.py`` (``ArrowDataset.__init__``/``_compute_approx_lengths``/
-  ``_get_raw_data``, ``BaseDataset.__getitem__``) and ``hs_connectors/src/hs_connectors/transfer.py``
-  (``FileTransfer.get_cached``, ``_load_hs_file``).
+Nothing here re-implements a trainer. Each function wires the installed package's loader the
+way that trainer's entry point does (named in each docstring) and returns what the trainer
+would train on, so a test comparing it with the store proves the trainer reads our files.
+The packages come from their wheels with ``pip install --no-deps specforge==0.2.0
+speculators==0.9.0 hs-connectors==0.9.0`` (``.ci/run``): their data modules import with torch,
+transformers, datasets and openai, without SGLang or vLLM. Tests call :func:`require` first, so
+they skip, naming the command, where a package is missing; with ``HSCAPTURE_TEST_TRAINERS=required``
+(CI) they fail instead.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
-from safetensors.torch import load_file
+
+#: Package (import name) -> the distribution and version the tests were written against.
+TRAINERS = {
+    "specforge": "specforge==0.2.0",
+    "speculators": "speculators==0.9.0",
+    "hs_connectors": "hs-connectors==0.9.0",
+}
+#: SpecForge's default test-time-training length (``--ttt-length``); the offline normalizer ignores it.
+SPECFORGE_TTT_LENGTH = 7
 
 
-def specforge_list_files(path: str | Path) -> list[str]:
-    """Every ``.ckpt``/``.ckpt.gz`` below ``path`` (walked recursively), sorted as strings."""
-    found = []
-    for root, _dirs, files in os.walk(path):
-        found += [os.path.join(root, name) for name in files]
-    found = [name for name in found if name.endswith((".ckpt", ".ckpt.gz"))]
-    found.sort()
-    return found
+def require(*packages: str) -> None:
+    """Skip (or fail, where CI requires the trainers) the calling test unless every named package imports."""
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        pins = " ".join(TRAINERS[name] for name in packages)
+        message = f"{', '.join(missing)} not installed: pip install --no-deps {pins}"
+        if os.environ.get("HSCAPTURE_TEST_TRAINERS") == "required":
+            pytest.fail(f"HSCAPTURE_TEST_TRAINERS=required, but {message}")
+        pytest.skip(message)
 
 
-def specforge_item(path: str, max_len: int = 2048) -> dict[str, torch.Tensor]:
-    """``OfflineEagle3Dataset.__getitem__`` for one file: memory-mapped load, then process_data."""
-    data = torch.load(path, weights_only=False, mmap=True)
-    item = {
-        "hidden_state": data["aux_hidden_state"].squeeze(0)[:max_len][None, :],  # the drafter's input
-        "target": data["hidden_state"].squeeze(0)[:max_len][None, :],  # the target model's final state
-        "input_ids": data["input_ids"][:max_len][None, :],
-        "loss_mask": data["loss_mask"][:max_len][None, :],
-    }
-    item["loss_mask"][0, -1] = 0  # upstream zeroes the last position in place
-    item["attention_mask"] = torch.ones_like(item["loss_mask"], dtype=torch.long)
-    return item
+def specforge_batches(export_dir: Path, max_len: int, batch_size: int) -> list[tuple[list[Path], dict[str, Any]]]:
+    """Every batch SpecForge's colocated offline EAGLE-3 training reads from ``export_dir``, with its files.
+
+    ``specforge/launch.py:build_offline_runtime``: the EAGLE-3 registration's offline provider
+    builds the ``OfflineManifestReader`` (one ``file://`` ref per ``.ckpt``), the normalizer
+    (``normalize_offline_sample``) and the collator (``DataCollatorWithPadding``); a
+    ``LocalFeatureStore`` serves the refs to a ``FeatureDataLoader``. Refs stay in the reader's
+    order (the runtime shuffles them per epoch; the bytes of each sample do not change).
+    """
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.runtime.data_plane import FeatureDataLoader, LocalFeatureStore
+
+    algorithm = builtin_algorithm_registry().resolve("eagle3")
+    provider = algorithm.providers.offline_for("text")
+    refs = provider.build_reader(
+        str(export_dir), run_id="hscapture", ttt_length=SPECFORGE_TTT_LENGTH, max_len=max_len
+    ).read()
+    loader = FeatureDataLoader(
+        LocalFeatureStore("hscapture"),
+        refs=refs,
+        batch_size=batch_size,
+        collate_fn=provider.build_collator(),
+        per_sample_transform=provider.build_normalizer(
+            max_len, ttt_length=SPECFORGE_TTT_LENGTH, use_usp_preprocess=False
+        ),
+        drop_last=False,
+        strategy=algorithm.name,
+    )
+    files = {ref.sample_id: Path(ref.feature_store_uri.removeprefix("file://")) for ref in refs}
+    return [([files[sample_id] for sample_id in batch.sample_ids], batch.tensors) for batch in loader]
 
 
-class SpeculatorsDataset:
-    """``ArrowDataset`` with the file transfer, on hidden states already cached (``on_missing='raise'``)."""
+def specforge_legacy_items(export_dir: Path, max_len: int) -> list[tuple[Path, dict[str, torch.Tensor]]]:
+    """SpecForge's older ``OfflineEagle3Dataset`` over ``list_local_files`` (its sequence-parallel path now)."""
+    from specforge.data.preprocessing import OfflineEagle3Dataset, list_local_files
 
-    def __init__(self, datapath: str | Path) -> None:
-        from datasets import load_from_disk
+    files = list_local_files(str(export_dir))
+    dataset = OfflineEagle3Dataset(files, max_len=max_len)
+    return [(Path(path), dataset[i]) for i, path in enumerate(files)]
 
-        self.data = load_from_disk(str(datapath))
-        self.hidden_states_path = Path(datapath) / "hidden_states"
-        self.approx_lengths = list(self.data.with_format(None)["seq_len"])
 
-    def __len__(self) -> int:
-        return len(self.data)
+def _speculators_transfer(export_dir: Path) -> Any:
+    """The hs-connectors file backend as ``speculators train`` builds it (``--hidden-states-path`` unset)."""
+    from hs_connectors import HiddenStatesBackend
 
-    def __getitem__(self, index: int) -> dict[str, Any] | None:
-        path = self.hidden_states_path / f"hs_{index}.safetensors"
-        if Path(str(path) + ".lock").exists():
-            raise AssertionError(f"{path}: a .lock beside it would make speculators wait for a writer")
-        if not path.exists():
-            raise RuntimeError(f"Failed to load hidden states for sample {index}.")
-        loaded = load_file(path)
-        if not torch.equal(loaded["token_ids"], self.data[index]["input_ids"]):
-            return None  # upstream warns and skips the sample
-        data = {
-            "hidden_states": loaded["hidden_states"][:, :-1].flatten(1),  # [seq, aux * hidden]
-            "input_ids": loaded["token_ids"],
-            "verifier_last_hidden_states": loaded["hidden_states"][:, -1],  # [seq, hidden]
-            "loss_mask": self.data[index]["loss_mask"],
-        }
-        seq_len = data["input_ids"].shape[0]
-        data["lengths"] = torch.tensor([seq_len], dtype=torch.long)
-        data["position_ids"] = torch.arange(seq_len, dtype=torch.long)
-        return data
+    return HiddenStatesBackend.registry["file"].from_train_args(Namespace(hidden_states_path=None), str(export_dir))
+
+
+def speculators_dataset(export_dir: Path, max_len: int) -> Any:
+    """speculators' ``ArrowDataset`` over ``export_dir`` with the hs-connectors file transfer.
+
+    ``on_missing="raise"``: a sample without its hidden states fails instead of asking a vLLM
+    server to generate them.
+    """
+    from speculators.train.data import ArrowDataset
+
+    return ArrowDataset(
+        max_len=max_len, datapath=str(export_dir), transfer=_speculators_transfer(export_dir), on_missing="raise"
+    )
+
+
+def speculators_eagle3_loaders(
+    export_dir: Path, total_seq_len: int, hidden_size: int, num_target_layers: int, train_ratio: float
+) -> tuple[Any, Any]:
+    """The train and validation loaders ``speculators train --speculator-type eagle3`` builds.
+
+    ``speculators/train/cli.py``: ``create_train_val_loaders`` with EAGLE-3's ``shift_batch`` as
+    the preprocess step: packing by length (``MultipackDistributedBatchSamplerV2``), the shift,
+    ``CollateFn`` packing each batch into one ``[1, total_seq_len, ...]`` row. No workers (the
+    trainer spawns some; the data path is the same).
+    """
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.dataloader import create_train_val_loaders
+
+    return create_train_val_loaders(
+        data_path=str(export_dir),
+        total_seq_len=total_seq_len,
+        hidden_states_dtype=torch.bfloat16,
+        transfer=_speculators_transfer(export_dir),
+        vllm_endpoint="http://127.0.0.1:1/v1",  # never called: every sample's hidden states are on disk
+        on_missing="raise",
+        verifier_name_or_path="hscapture-tiny",
+        request_timeout=None,
+        max_retries=0,
+        generation_validation_retries=0,
+        max_consecutive_generation_failures=1,
+        hidden_size=hidden_size,
+        num_target_layers=num_target_layers,
+        num_workers=0,
+        prefetch_factor=1,
+        preprocess=shift_batch,
+        train_data_ratio=train_ratio,
+    )

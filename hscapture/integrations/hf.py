@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hscapture.config import check_layer_ids
+from hscapture.config import eagle3_default_layers as eagle3_default_layers  # extract and tests import it here
 
 LAST = "last"
 
@@ -41,15 +42,6 @@ def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
             "as Llama, Qwen, Mistral and DeepSeek models in transformers have"
         )
     return layers, norm
-
-
-def eagle3_default_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's default aux layers in hscapture's convention: ``[2, L // 2, L - 3]``.
-
-    These are the tensors SGLang captures by default and SpecForge's ``[1, L//2-1, L-4]``
-    names with ids one lower.
-    """
-    return tuple(sorted({2, num_layers // 2, num_layers - 3}))
 
 
 def describe(layers: Sequence[int], capture_last: bool, num_layers: int | None = None) -> list[str]:
