@@ -310,6 +310,10 @@ def _build_tokenizer(out_dir: Path) -> Any:
 
 
 #: Tiny DeepSeek-V2 (MLA attention + MoE), the family of the DeepSeek and Kimi models; shapes SGLang's CPU path accepts.
+#: Keep ``kv_lora_rank + qk_rope_head_dim == qk_nope_head_dim + qk_rope_head_dim`` and ``kv_lora_rank ==
+#: v_head_dim``: SGLang's torch_native backend computes a DeepSeek prefill over the MLA latent cache (an
+#: SGLang bug; README, "SGLang vs HF"), which other widths turn into a shape error. These widths run it, and
+#: give states 3.5-10x off HF on prefill rows; through SGLang's absorbed-MLA path they agree within ~1 %.
 DEEPSEEK_SHAPE: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 256,

@@ -5,6 +5,10 @@ every child of the process that made it). With ``--capture ENDPOINT`` the hscapt
 switched on (block policy) and closed through ``collective_rpc`` before shutdown.
 
     python -m tests.sglang_driver --model DIR --prompts prompts.json --out result.json [--capture EP]
+
+``--absorbed-mla`` (DeepSeek family, diagnosis only) makes SGLang's torch_native backend prefill by
+absorbed MLA, the path SGLang itself takes whenever a request has a cached prefix; without it a
+fresh prefill takes the MHA path, which torch_native gets wrong (see :func:`absorbed_mla_hook`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 
 from hscapture.integrations.sglang import (
     CLOSE_RPC,
@@ -32,6 +37,7 @@ def main() -> None:
     parser.add_argument("--aux", action="store_true", help="SGLang's aux-state flags (implied by --capture)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--chunked-prefill-size", type=int, default=32)
+    parser.add_argument("--absorbed-mla", action="store_true", help="DeepSeek: prefill by absorbed MLA too")
     args = parser.parse_args()
     use_cpu_host_env()
     if args.capture:
@@ -45,6 +51,7 @@ def main() -> None:
         chunked_prefill_size=args.chunked_prefill_size,
         disable_radix_cache=True,
         **CPU_ENGINE_KWARGS,
+        **({"forward_hooks": [ABSORBED_MLA_HOOK]} if args.absorbed_mla else {}),
         # Without the aux flags SGLang returns the post-norm last layer, once asked to return states at all.
         **(engine_kwargs() if args.capture or args.aux else {"enable_return_hidden_states": True}),
     )
@@ -72,6 +79,36 @@ def main() -> None:
     ]
     with open(args.out, "w") as f:
         json.dump(result, f)
+
+
+#: SGLang ``forward_hooks`` entry whose factory runs in the scheduler process before the first real forward.
+ABSORBED_MLA_HOOK = {
+    "name": "absorbed-mla",
+    "target_modules": ["model"],
+    "hook_factory": "tests.sglang_driver:absorbed_mla_hook",
+}
+
+
+def absorbed_mla_hook(config: dict) -> Callable[..., None]:
+    """Give torch_native SGLang's absorbed-MLA dispatch for every DeepSeek attention, and return a no-op hook.
+
+    SGLang (0.5.23) has no DeepSeek attention handler for torch_native, so it uses triton's
+    (``models/deepseek_common/attention_backend_handler.py``: ``get_handler`` falls back to
+    ``handle_attention_triton``), which sends a prefill without cached prefix down the MHA path.
+    That path stores the MLA latent in the KV pool and calls ``attn_mha(q, k, v,
+    save_kv_cache=False)`` (``attention_forward_methods/forward_mha.py:forward_normal_core``),
+    expecting the backend to attend over the k and v it is given; torch_native's
+    ``forward_extend`` (``layers/attention/torch_native_backend.py``) ignores them and attends
+    over the pool: keys ``[kv_a_layernorm(c_kv), rope(k_pe)]``, values ``kv_a_layernorm(c_kv)``.
+    The absorbed path (``forward_absorb_*``, ``attn_mqa``) reads that pool as intended.
+    """
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+        _dispatch_mla_subtype,
+    )
+
+    AttentionBackendRegistry.register("torch_native", _dispatch_mla_subtype)
+    return lambda module, inputs, output: None
 
 
 def _rows(part: list) -> list:
