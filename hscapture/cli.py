@@ -1,5 +1,5 @@
 """``hscapture`` command line: ``extract``, ``serve`` (SGLang with capture), ``consume``, ``verify``, ``export``,
-``inspect``, ``bench`` (the benchmark suites of a source checkout)."""
+``inspect``, ``keys`` (CURVE keys for tcp:// endpoints), ``bench`` (the benchmark suites of a source checkout)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def _size(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give a size like 256M, 1G or 4096") from None
 
+
+KEYS_HELP = (
+    "tcp://: key directory with this side's CURVE key pair (`hscapture keys` makes it) "
+    "(default: $HSCAPTURE_KEYS or ~/.config/hscapture/keys)"
+)
 
 STORE_DTYPE_HELP = (
     "fp8: store rows as float8_e4m3fn with one float32 scale per row, half the bytes of bf16, quantized by "
@@ -97,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--delay-ms", type=float, default=0.0, help="sleep per chunk (simulate a slow consumer)")
     con.add_argument("--watch-pid", type=int, help="finish and exit when this process is gone")
     con.add_argument("--token", help="the producer's token (default: read beside an ipc:// endpoint)")
+    con.add_argument("--keys", type=Path, help=KEYS_HELP)
+    con.add_argument(
+        "--producer-key",
+        type=Path,
+        help="tcp://: the producer's public key file (default: id.key of --keys, a producer of the same user)",
+    )
     con.add_argument("--store-dtype", choices=sorted(STORE_DTYPES), help=STORE_DTYPE_HELP)
     con.add_argument("--discard", action="store_true", help="copy out and release but write nothing (benchmarks)")
     con.add_argument("--quiet", action="store_true", help="print nothing but warnings (no stats lines)")
@@ -123,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", choices=("drop", "block"), default="drop", help="drop: serving never waits (default); block"
     )
     srv.add_argument("--endpoint", help="base ZeroMQ endpoint (default: a private ipc:// path)")
+    srv.add_argument("--keys", type=Path, help=KEYS_HELP)
     srv.add_argument("--shard-bytes", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
     srv.add_argument("--slot-bytes", type=_size, default=4 * MiB, help="bytes per ring slot (default 4M)")
     srv.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then SGLang server arguments")
@@ -167,6 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
     ins.add_argument("--max-listed", type=int, default=10, help="incomplete samples and runs listed (default 10)")
 
+    key = commands.add_parser(
+        "keys",
+        help="make or show this user's CURVE key pair for tcp:// endpoints; admit another user's consumer",
+        description="tcp:// endpoints are authenticated with ZeroMQ's CURVE: a producer admits only consumers "
+        "whose public key its key directory lists (its own id.key, and allowed/*.key). Without options: make the "
+        "key pair if there is none, and print where the public key is. Give that file to the other side: a "
+        "producer admits it with --allow; a consumer names it with --producer-key.",
+    )
+    key.add_argument("--keys", type=Path, help=KEYS_HELP)
+    key.add_argument("--allow", type=Path, metavar="FILE", help="admit the consumer public key in FILE (its id.key)")
+
     ben = commands.add_parser(
         "bench",
         help="run a benchmark suite (same as python benchmarks/run.py SUITE)",
@@ -200,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "keys":
+            return _keys(args)
         return _consume(args)
     except (ValueError, TypeError) as exc:
         print(f"hscapture {args.command}: error: {exc}", file=sys.stderr)
@@ -265,8 +290,28 @@ def _serve(args: argparse.Namespace) -> int:
         endpoint=args.endpoint,
         shard_bytes=args.shard_bytes,
         slot_bytes=args.slot_bytes,
+        keys=args.keys,
     )
     return serve(options, sglang_args)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from hscapture.keys import PUBLIC, allow_key, default_keys_dir, ensure_keys, fingerprint
+
+    folder = args.keys or default_keys_dir()
+    if args.allow is not None:
+        target = allow_key(args.allow, folder)
+        print(f"admitted the consumer key in {args.allow} as {target}; producers using {folder} accept it from now on")
+        return 0
+    pair = ensure_keys(folder)
+    print(
+        f"key directory {folder} (private)\n"
+        f"public key    {folder / PUBLIC} (fingerprint {fingerprint(pair.public)}): {pair.public.decode()}\n"
+        "A producer admits consumers holding this key pair, and those whose id.key you admit with "
+        "`hscapture keys --allow FILE`.\nA consumer of another user or host needs a copy of this id.key: "
+        "`hscapture consume --endpoint tcp://HOST:PORT --producer-key COPY`."
+    )
+    return 0
 
 
 def _bench(suite_args: list[str]) -> int:
@@ -302,6 +347,8 @@ def _consume(args: argparse.Namespace) -> int:
         discard=args.discard,
         token=args.token,
         store_dtype=args.store_dtype,
+        keys=args.keys,
+        producer_key=args.producer_key,
     )
     consumer = Consumer(config)
     try:

@@ -67,8 +67,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Subprocesses that build the embedded model write it under the test session, not ~/.cache."""
+    """Subprocesses that build the embedded model write it under the test session, not ~/.cache; CURVE keys too."""
     monkeypatch.setenv("HSCAPTURE_HOME", str(tmp_path_factory.getbasetemp() / "home"))
+    monkeypatch.setenv("HSCAPTURE_KEYS", str(tmp_path_factory.getbasetemp() / "keys"))
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
