@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hscapture bench: error: {exc}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
-    quiet = args.command in ("extract", "export", "inspect") or getattr(args, "quiet", False)
+    quiet = args.command in ("extract", "export", "inspect", "keys") or getattr(args, "quiet", False)
     level = logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

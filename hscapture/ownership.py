@@ -58,17 +58,20 @@ def check_private_dir(path: Path, what: str) -> None:
         )
     if not stat.S_ISDIR(info.st_mode):
         raise AccessError(f"{what} {path} is not a directory; remove it, or choose another path")
+    fix = f"if you made it and trust its contents run `chmod 700 {path}`, else remove it"
+    _check_owner(info, path, what, 0o077, fix)
+
+
+def _check_owner(info: os.stat_result, path: Path, what: str, open_bits: int, fix_mode: str) -> None:
+    """Raise :class:`AccessError` when ``info`` is another user's, or has any of ``open_bits`` set."""
     if info.st_uid != os.getuid():
         raise AccessError(
             f"{what} {path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}): another user may have "
             "made it to read or redirect your files; have it removed (by its owner or root), or choose another path"
         )
     mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o077:
-        raise AccessError(
-            f"{what} {path} is open to other users (mode {mode:04o}): anyone may have put files there; if you made "
-            f"it and trust its contents run `chmod 700 {path}`, else remove it"
-        )
+    if mode & open_bits:
+        raise AccessError(f"{what} {path} has mode {mode:04o}, open to other users; {fix_mode}")
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -118,15 +121,7 @@ def read_private(path: Path, what: str, *, secret: bool = True) -> bytes | None:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise AccessError(f"{what} {path} is not a regular file; remove it")
-        if info.st_uid != os.getuid():
-            raise AccessError(
-                f"{what} {path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); remove it "
-                "(another user may have planted it)"
-            )
-        mode = stat.S_IMODE(info.st_mode)
-        if mode & (0o077 if secret else 0o022):
-            need = "600" if secret else "644"
-            raise AccessError(f"{what} {path} has mode {mode:04o}, open to other users; run `chmod {need} {path}`")
+        _check_owner(info, path, what, 0o077 if secret else 0o022, f"run `chmod {600 if secret else 644} {path}`")
         return os.read(fd, _MAX_READ)
     finally:
         os.close(fd)

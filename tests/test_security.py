@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -93,22 +92,16 @@ def check_finished_complete(out: Path, workload: Workload) -> None:
         assert sample["input_ids"].tolist() == tokens, rid
 
 
-def free_tcp_base() -> int:
-    """A port P such that P and P + 1 (announce and release) are free on 127.0.0.1 now."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20_000, 60_000)
-        probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
+def tcp_producer(policy: str = "block", keys: Path | None = None) -> Producer:
+    """A producer on a tcp:// endpoint of two free ports on 127.0.0.1 (it binds P and P + 1)."""
+    for _ in range(100):
+        config = make_config(f"tcp://127.0.0.1:{random.randrange(20_000, 60_000)}", policy=policy)
+        config.keys = keys
         try:
-            for offset, probe in enumerate(probes):
-                probe.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
+            return make_producer(config)
+        except zmq.ZMQError:  # taken: try other ports
             continue
-        finally:
-            for probe in probes:
-                probe.close()
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError("no two free ports found for a tcp:// producer")
 
 
 # =========================================================================== 1: foreign directories and links
@@ -146,7 +139,7 @@ def test_a_socket_directory_of_ours_that_is_open_or_a_link_is_refused(kind: str,
         if kind == "open to others":
             directory.mkdir()
             directory.chmod(0o777)
-            expected = rf"open to other users \(mode 0777\).*chmod 700 {directory}"
+            expected = rf"has mode 0777, open to other users.*chmod 700 {directory}"
         else:
             (tmp_path / "elsewhere").mkdir(mode=0o700)
             directory.symlink_to(tmp_path / "elsewhere")
@@ -213,8 +206,8 @@ def test_tcp_strays_without_an_admitted_key_receive_nothing_and_the_consumer_kee
     tmp_path: Path, start_consumer: ConsumerFactory
 ) -> None:
     """Issue 12.2: a PULL socket on the announce port got the layout, every chunk and the end of stream."""
-    endpoint = f"tcp://127.0.0.1:{free_tcp_base()}"
-    producer = make_producer(make_config(endpoint, policy="block"))  # makes this user's key pair (HSCAPTURE_KEYS)
+    producer = tcp_producer()  # makes this user's key pair (in HSCAPTURE_KEYS)
+    endpoint = producer.config.endpoint
     context = zmq.Context()
     strays: list[zmq.Socket] = []
     server_key = ensure_keys().public
@@ -257,10 +250,9 @@ def test_consume_on_tcp_without_keys_fails_at_once_with_a_clear_message(
 ) -> None:
     """Issue 12.11: `consume` on tcp:// without credentials waited forever saying only 'no producer attached'."""
     keys = tmp_path / "no-keys-here"
-    endpoint = f"tcp://127.0.0.1:{free_tcp_base()}"
-    producer = make_producer(make_config(endpoint))
+    producer = tcp_producer()
     try:
-        consumer = consumer_run(endpoint, "--keys", str(keys))
+        consumer = consumer_run(producer.config.endpoint, "--keys", str(keys))
         assert consumer.wait_exit(60, producer) == 1
         message = consumer.stderr()
         assert f"no CURVE keys: {keys} does not exist" in message and "hscapture keys" in message, message
@@ -277,10 +269,8 @@ def test_a_consumer_of_another_key_is_told_its_key_is_refused_until_the_producer
     keys_command = [sys.executable, "-m", "hscapture", "keys"]
     shown = subprocess.run([*keys_command, "--keys", str(consumer_keys)], capture_output=True, text=True, check=True)
     assert str(consumer_keys / PUBLIC) in shown.stdout
-    endpoint = f"tcp://127.0.0.1:{free_tcp_base()}"
-    config = make_config(endpoint)
-    config.keys = producer_keys
-    producer = make_producer(config)
+    producer = tcp_producer(keys=producer_keys)
+    endpoint = producer.config.endpoint
     try:
         copy = tmp_path / "producer-id.key"  # what the producer's user hands over
         shutil.copy(producer_keys / PUBLIC, copy)
