@@ -37,7 +37,7 @@ import zmq
 
 from hscapture import CaptureConfig, Producer, protocol
 from hscapture.keys import ensure_keys
-from hscapture.transport import ConsumerSockets, ProducerSockets, make_socket
+from hscapture.transport import ConsumerSockets, ProducerSockets, client_credentials, make_socket
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -76,7 +76,7 @@ class _Pair:
         if kind in ("ipc ROUTER", "tcp CURVE"):  # the sockets exactly as producer and consumer make them
             endpoint = f"ipc://{directory}/router" if kind == "ipc ROUTER" else f"tcp://127.0.0.1:{_free_base()}"
             server = ProducerSockets(endpoint, directory / "keys")
-            client = ConsumerSockets(endpoint, "bench-consumer", directory / "keys")
+            client = ConsumerSockets(endpoint, "bench-consumer", client_credentials(endpoint, directory / "keys"))
             self.tx, self.rx = server.announce, client.announce
             self.send = lambda payload: server.send("bench-consumer", payload)
             self._closers = [client.close, server.close]

@@ -34,7 +34,7 @@ from hscapture.protocol import short_repr
 from hscapture.ring import RingReader, open_ring
 from hscapture.sink import NullSink
 from hscapture.store import StoreWriter
-from hscapture.transport import ConsumerSockets, read_token
+from hscapture.transport import ConsumerSockets, client_credentials, read_token
 
 log = logging.getLogger(__name__)
 
@@ -76,26 +76,23 @@ class Consumer:
         self.on_tick: Callable[[], None] | None = None
         self.consumer_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # First, so that missing keys or a foreign socket directory fail at once, before a store is touched.
-        self._sockets = ConsumerSockets(config.endpoint, self.consumer_id, config.keys, config.producer_key)
-        self._announce, self._release = self._sockets.announce, self._sockets.release
+        curve = client_credentials(config.endpoint, config.keys, config.producer_key)
         if torch.cuda.is_available():
             torch.cuda.init()  # before saying hello: a CUDA ring then opens in a millisecond, not a second
         self.stats = ConsumerStats()
         self.store: StoreWriter | NullSink
-        try:
-            if config.discard:
-                self.store = NullSink()
-            else:
-                self.store = StoreWriter(
-                    config.check_out_dir(),
-                    config.shard_bytes,
-                    config.writer_threads,
-                    config.flush_s,
-                    store_dtype=config.store_dtype,
-                )
-        except BaseException:
-            self._sockets.close()
-            raise
+        if config.discard:
+            self.store = NullSink()
+        else:
+            self.store = StoreWriter(
+                config.check_out_dir(),
+                config.shard_bytes,
+                config.writer_threads,
+                config.flush_s,
+                store_dtype=config.store_dtype,
+            )
+        self._sockets = ConsumerSockets(config.endpoint, self.consumer_id, curve)
+        self._announce, self._release = self._sockets.announce, self._sockets.release
         self._layout: protocol.Layout | None = None
         self._ring: RingReader | None = None
         self._row_bytes = 0
@@ -244,11 +241,11 @@ class Consumer:
         log.info("attached to run %s (%d slots of %d bytes)", layout.run_id, layout.num_slots, layout.slot_bytes)
 
     def _on_refused(self, message: protocol.Refused) -> None:
-        """Another consumer is attached: wait as long as the producer would take to count it gone, then stop."""
+        """Another consumer is attached: ask again for longer than the producer takes to count it gone, then stop."""
         if message.consumer_id != self.consumer_id:
             return
         now = time.monotonic()
-        wait_s = message.takeover_ms / 1000 + 2 * self.config.heartbeat_ms / 1000
+        wait_s = 1.5 * message.takeover_ms / 1000 + 2 * self.config.heartbeat_ms / 1000
         if self._refused_since is None:
             self._refused_since = now
             log.warning("the producer refuses this consumer: %s; asking again for %.1f s", message.reason, wait_s)

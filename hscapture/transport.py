@@ -32,6 +32,7 @@ import os
 import re
 import socket
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -39,8 +40,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from hscapture.errors import AccessError
 from hscapture.keys import PUBLIC as PUBLIC_KEY
-from hscapture.keys import KeyGate, default_keys_dir, ensure_keys, load_keys, read_public_key
-from hscapture.ownership import private_dir, read_private, reclaim_temp, unlink_ours, write_private
+from hscapture.keys import KeyGate, KeyPair, default_keys_dir, ensure_keys, load_keys, read_public_key
+from hscapture.ownership import check_private_dir, private_dir, read_private, reclaim_temp, unlink_ours, write_private
 
 log = logging.getLogger(__name__)
 
@@ -186,42 +187,69 @@ class ProducerSockets:
             self._files.append((path, info.st_dev, info.st_ino))
 
 
+@dataclass(frozen=True)
+class ClientCredentials:
+    """What a consumer of a tcp:// endpoint shakes hands with: its key pair and the producer's public key."""
+
+    pair: KeyPair
+    producer_key: bytes
+    #: Where they came from, for messages.
+    keys_dir: Path
+    producer_key_file: Path
+
+
+def client_credentials(
+    endpoint: str, keys: Path | None = None, producer_key: Path | None = None
+) -> ClientCredentials | None:
+    """Check what a consumer needs before it opens anything (None for ipc://, which needs no keys).
+
+    Args:
+        endpoint: the producer's base endpoint.
+        keys: key directory for a tcp:// endpoint (this consumer's key pair); None = default.
+        producer_key: the producer's public key file; None = ``id.key`` of ``keys`` (a producer of the same user).
+
+    Raises:
+        AccessError: no usable key pair or producer key for tcp://; an ipc:// socket directory that exists
+            and is not this user's private one.
+    """
+    path = _ipc_path(endpoint)
+    if path is not None and path.parent.exists():
+        check_private_dir(path.parent, "socket directory")
+    if not endpoint.startswith("tcp://"):
+        return None
+    folder = Path(keys or default_keys_dir())
+    key_file = Path(producer_key or folder / PUBLIC_KEY)
+    return ClientCredentials(load_keys(folder), read_public_key(key_file, "producer key file"), folder, key_file)
+
+
 class ConsumerSockets:
     """The consumer's two connected sockets: a DEALER named ``consumer_id`` on announce, a PUSH on release.
 
     Args:
         endpoint: the producer's base endpoint.
         consumer_id: this consumer's id (the routing id the producer addresses it by).
-        keys: key directory for a tcp:// endpoint (this consumer's key pair); None = default.
-        producer_key: the producer's public key file for tcp://; None = ``id.key`` of ``keys``
-            (a producer of the same user).
+        curve: from :func:`client_credentials`; required for tcp://.
 
     Raises:
-        AccessError: no usable key pair or producer key for tcp://, or a foreign socket directory.
+        AccessError: an ipc:// socket directory that is not this user's private one.
     """
 
-    def __init__(
-        self, endpoint: str, consumer_id: str, keys: Path | None = None, producer_key: Path | None = None
-    ) -> None:
+    def __init__(self, endpoint: str, consumer_id: str, curve: ClientCredentials | None = None) -> None:
+        if endpoint.startswith("tcp://") and curve is None:
+            raise ValueError(f"endpoint {endpoint!r}: a tcp:// consumer needs CURVE credentials (client_credentials)")
         self.endpoint = endpoint
+        self.curve = curve
         self._monitor: zmq.Socket | None = None
         self._failures = 0
-        self._keys = Path(keys or default_keys_dir())
-        self._producer_key = Path(producer_key or self._keys / PUBLIC_KEY)
-        curve = None
-        if endpoint.startswith("tcp://"):
-            curve = (load_keys(self._keys), read_public_key(self._producer_key, "producer key file"))
-        else:
-            prepare_ipc_dir(endpoint)
+        prepare_ipc_dir(endpoint)
         self.context = zmq.Context.instance()
         self.announce = make_socket(self.context, zmq.DEALER)
         self.announce.setsockopt(zmq.ROUTING_ID, consumer_id.encode())
         self.release = make_socket(self.context, zmq.PUSH, immediate=True)
-        for sock in (self.announce, self.release):
-            if curve is not None:
-                sock.curve_publickey, sock.curve_secretkey = curve[0].public, curve[0].secret
-                sock.curve_serverkey = curve[1]
         if curve is not None:
+            for sock in (self.announce, self.release):
+                sock.curve_publickey, sock.curve_secretkey = curve.pair.public, curve.pair.secret
+                sock.curve_serverkey = curve.producer_key
             self._monitor = self.release.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED
                 | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -233,15 +261,15 @@ class ConsumerSockets:
 
     def check(self) -> None:
         """Raise :class:`AccessError` when the producer refused our key or handshakes keep failing (tcp://)."""
-        monitor = self._monitor
-        while monitor is not None and monitor.poll(0):
+        monitor, curve = self._monitor, self.curve
+        while monitor is not None and curve is not None and monitor.poll(0):
             event = parse_monitor_message(monitor.recv_multipart())
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failures = 0
                 continue
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise AccessError(
-                    f"the producer at {self.endpoint} refused this consumer's key {self._keys / PUBLIC_KEY} "
+                    f"the producer at {self.endpoint} refused this consumer's key {curve.keys_dir / PUBLIC_KEY} "
                     f"(ZAP status {event['value']}); admit it on the producer's side with `hscapture keys --allow "
                     "<a copy of that file>`, then start this consumer again"
                 )
@@ -249,7 +277,7 @@ class ConsumerSockets:
             if self._failures >= _HANDSHAKE_FAILURES:
                 raise AccessError(
                     f"the CURVE handshake with {self.endpoint} failed {self._failures} times: the producer there "
-                    f"does not hold the key in {self._producer_key}, or is no hscapture producer of this version; "
+                    f"does not hold the key in {curve.producer_key_file}, or is no hscapture producer of this version; "
                     "copy the producer's id.key (`hscapture keys` on its side shows it) and pass it with --producer-key"
                 )
 
