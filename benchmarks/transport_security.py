@@ -4,8 +4,9 @@
 
 Two measurements, each side by side in one run, variants interleaved round by round:
 
-1. **Sockets alone** (one process): per message, the sending thread's time and the time to send
-   and receive it, for a decode announcement (64 one-row requests) and a prefill one (4 x 512 rows):
+1. **Sockets alone** (one process): per message, the sending thread's time (in a burst), the time
+   to send and receive a burst, and to send and receive one message at a time (latency), for a
+   decode announcement (64 one-row requests) and a prefill one (4 x 512 rows):
    ipc PUSH->PULL (the announce socket before) vs ipc ROUTER->DEALER (now), and tcp ROUTER->DEALER
    without security vs with CURVE (the CURVE sockets are set up exactly as the producer and
    consumer set them up, keys and ZAP handler included).
@@ -120,17 +121,21 @@ class _Pair:
             return False
         return self.rx.recv() == b"ping"
 
-    def measure(self, payload: bytes, count: int) -> tuple[float, float]:
-        """(us in send per message, us per message sent and received) over ``count`` messages."""
-        send_ns = 0
+    def measure(self, payload: bytes, count: int) -> tuple[float, float, float]:
+        """Per message, in us: sending in a burst of ``count`` (the sender's cost), the burst sent and received
+        (throughput), and one message sent and received at a time (latency)."""
         started = time.perf_counter_ns()
         for _ in range(count):
-            t0 = time.perf_counter_ns()
             self.send(payload)
-            send_ns += time.perf_counter_ns() - t0
+        sent = time.perf_counter_ns()
+        for _ in range(count):
             self.rx.recv()
-        total = time.perf_counter_ns() - started
-        return send_ns / count / 1e3, total / count / 1e3
+        drained = time.perf_counter_ns()
+        for _ in range(count):
+            self.send(payload)
+            self.rx.recv()
+        done = time.perf_counter_ns()
+        return (sent - started) / count / 1e3, (drained - started) / count / 1e3, (done - drained) / count / 1e3
 
     def close(self) -> None:
         for close in self._closers:
@@ -143,20 +148,14 @@ def sockets_alone(directory: Path, rounds: int, count: int) -> dict:
     results: dict = {}
     try:
         for shape, payload in {"decode 64x1": _message(64, 1), "prefill 4x512": _message(4, 512)}.items():
-            samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+            samples: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in kinds}
             for _ in range(rounds):
                 for kind in kinds:
                     samples[kind].append(pairs[kind].measure(payload, count))
-            results[shape] = {
-                "bytes": len(payload),
-                **{
-                    kind: {
-                        "send_us": round(statistics.median(s for s, _ in values), 2),
-                        "send_and_receive_us": round(statistics.median(r for _, r in values), 2),
-                    }
-                    for kind, values in samples.items()
-                },
-            }
+            results[shape] = {"bytes": len(payload)}
+            for kind, values in samples.items():
+                columns = zip(("send_us", "burst_send_and_receive_us", "one_at_a_time_us"), zip(*values))
+                results[shape][kind] = {name: round(statistics.median(column), 2) for name, column in columns}
     finally:
         for pair in pairs.values():
             pair.close()
