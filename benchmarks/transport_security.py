@@ -218,13 +218,16 @@ def producer_steps(directory: Path, rounds: int, steps: int, hidden: int) -> dic
     try:
         for producer in producers.values():
             run(producer)  # warm-up, not counted
-        for _ in range(rounds):
-            samples["ipc"].append(statistics.median(run(producers["ipc"])))
-            samples["tcp CURVE"].append(statistics.median(run(producers["tcp CURVE"])))
-            knocker.send_signal(signal.SIGCONT)
-            time.sleep(0.3)
-            samples["tcp CURVE, stray knocking every 100 ms"].append(statistics.median(run(producers["tcp CURVE"])))
-            knocker.send_signal(signal.SIGSTOP)
+        names = list(samples)
+        for round_index in range(rounds):
+            for name in names[round_index % 3 :] + names[: round_index % 3]:  # each variant first in turn
+                knocking = name.endswith("every 100 ms")
+                if knocking:
+                    knocker.send_signal(signal.SIGCONT)
+                    time.sleep(0.3)
+                samples[name].append(statistics.median(run(producers[name.split(",")[0]])))
+                if knocking:
+                    knocker.send_signal(signal.SIGSTOP)
         cpu_auth = _thread_cpu_s(auth_thread) - cpu_before
         counters = {name: producer.close().to_dict() for name, producer in producers.items()}
     finally:
