@@ -1,5 +1,5 @@
 """``hscapture`` command line: ``extract``, ``serve`` (SGLang with capture), ``consume``, ``verify``, ``export``,
-``inspect``, ``bench`` (the benchmark suites of a source checkout)."""
+``inspect``, ``keys`` (CURVE keys for tcp:// endpoints), ``bench`` (the benchmark suites of a source checkout)."""
 
 from __future__ import annotations
 
@@ -185,6 +185,12 @@ def _add_renamed(parser: argparse.ArgumentParser, command: str) -> None:
         )
 
 
+KEYS_HELP = (
+    "tcp://: key directory with this side's CURVE key pair (`hscapture keys` makes it) "
+    "(default: $HSCAPTURE_KEYS or ~/.config/hscapture/keys)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hscapture", description="Capture per-layer hidden states from an LLM engine at almost no cost."
@@ -259,6 +265,17 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
     ins.add_argument("--max-listed", type=int, default=10, help="incomplete samples and runs listed (default 10)")
 
+    key = commands.add_parser(
+        "keys",
+        help="make or show this user's CURVE key pair for tcp:// endpoints; admit another user's consumer",
+        description="tcp:// endpoints are authenticated with ZeroMQ's CURVE: a producer admits only consumers "
+        "whose public key its key directory lists (its own id.key, and allowed/*.key). Without options: make the "
+        "key pair if there is none, and print where the public key is. Give that file to the other side: a "
+        "producer admits it with --allow; a consumer names it with --producer-key.",
+    )
+    key.add_argument("--keys", type=Path, help=KEYS_HELP)
+    key.add_argument("--allow", type=Path, metavar="FILE", help="admit the consumer public key in FILE (its id.key)")
+
     ben = commands.add_parser(
         "bench",
         help="run a benchmark suite (same as python benchmarks/run.py SUITE)",
@@ -278,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hscapture bench: error: {exc}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
-    quiet = args.command in ("extract", "export", "inspect") or getattr(args, "quiet", False)
+    quiet = args.command in ("extract", "export", "inspect", "keys") or getattr(args, "quiet", False)
     level = logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -292,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "keys":
+            return _keys(args)
         return _consume(args)
     except (ValueError, TypeError) as exc:
         print(f"hscapture {args.command}: error: {exc}", file=sys.stderr)
@@ -331,6 +350,25 @@ def _serve(args: argparse.Namespace) -> int:
 
     sglang_args = args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args
     return serve(options_from(ServeOptions, args), sglang_args)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from hscapture.keys import PUBLIC, allow_key, default_keys_dir, ensure_keys, fingerprint
+
+    folder = args.keys or default_keys_dir()
+    if args.allow is not None:
+        target = allow_key(args.allow, folder)
+        print(f"admitted the consumer key in {args.allow} as {target}; producers using {folder} accept it from now on")
+        return 0
+    pair = ensure_keys(folder)
+    print(
+        f"key directory {folder} (private)\n"
+        f"public key    {folder / PUBLIC} (fingerprint {fingerprint(pair.public)}): {pair.public.decode()}\n"
+        "A producer admits consumers holding this key pair, and those whose id.key you admit with "
+        "`hscapture keys --allow FILE`.\nA consumer of another user or host needs a copy of this id.key: "
+        "`hscapture consume --endpoint tcp://HOST:PORT --producer-key COPY`."
+    )
+    return 0
 
 
 def _bench(suite_args: list[str]) -> int:

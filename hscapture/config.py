@@ -133,9 +133,14 @@ class CaptureConfig:
     policy: Policy = "block"
     #: Base ZeroMQ endpoint; ``-announce`` and ``-release`` sockets hang off it.
     endpoint: str = field(default_factory=default_endpoint)
-    #: Secret a consumer must present to attach; None makes one per run (published beside an
-    #: ipc:// endpoint for consumers of the same user; pass it to consumers of a tcp:// one).
+    #: Secret a consumer must present to attach; None makes one per run for an ipc:// endpoint
+    #: (published in a 0600 file beside it, for consumers of the same user) and none for tcp://,
+    #: where the consumer's CURVE key is the credential (a token given here is checked as well).
     token: str | None = None
+    #: Key directory for a tcp:// endpoint: this user's CURVE key pair (made if missing) and the
+    #: consumer keys admitted besides its own (``allowed/``); None = ``$HSCAPTURE_KEYS`` or
+    #: ``~/.config/hscapture/keys``. See :mod:`hscapture.keys`.
+    keys: Path | None = None
     #: Where the engine's activations live: ``cpu`` (host shared-memory ring) or ``cuda[:N]``
     #: (GPU ring exported over CUDA IPC).
     device: str = "cpu"
@@ -235,6 +240,7 @@ class CaptureConfig:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["layers"] = list(self.layers)
+        data["keys"] = None if self.keys is None else str(self.keys)
         return data
 
 
@@ -262,8 +268,15 @@ class ConsumerConfig:
     watch_pid: int | None = None
     #: Copy chunks out and release them but write nothing (drain-rate benchmarks).
     discard: bool = False
-    #: The producer's token (default: read from the file beside an ipc:// endpoint).
+    #: The producer's token; None reads it from the file beside an ipc:// endpoint (a tcp:// producer
+    #: needs one only when it was given one).
     token: str | None = None
+    #: Key directory for a tcp:// endpoint: this consumer's CURVE key pair (``hscapture keys`` makes
+    #: it); by default ``$HSCAPTURE_KEYS`` or ``~/.config/hscapture/keys``.
+    keys: Path | None = None
+    #: The tcp:// producer's public key file; by default ``id.key`` of the key directory (a producer
+    #: of the same user sharing it).
+    producer_key: Path | None = None
     #: ``fp8`` stores rows as float8_e4m3fn with one float32 scale per row, half the bytes of bf16,
     #: quantized by the writer threads, not the engine; unset stores them as captured (or as the
     #: existing store does).

@@ -27,13 +27,14 @@ import zmq
 
 from hscapture import protocol
 from hscapture.config import DTYPES, ConsumerConfig
-from hscapture.errors import HSCaptureError, ProtocolError
+from hscapture.errors import AccessError, HSCaptureError, ProtocolError
 from hscapture.metrics import DropTally, Snapshot
+from hscapture.ownership import pid_alive, process_place
 from hscapture.protocol import short_repr
 from hscapture.ring import RingReader, open_ring
 from hscapture.sink import NullSink
 from hscapture.store import StoreWriter
-from hscapture.transport import announce_endpoint, make_socket, read_token, release_endpoint
+from hscapture.transport import ConsumerSockets, client_credentials, read_token
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class Consumer:
 
     Raises:
         ValueError: the output directory is not writable.
+        AccessError: a tcp:// endpoint without usable keys, or an untrusted socket directory.
     """
 
     def __init__(self, config: ConsumerConfig) -> None:
@@ -73,6 +75,8 @@ class Consumer:
         #: Called on every turn of the loop (live metrics take their snapshots there).
         self.on_tick: Callable[[], None] | None = None
         self.consumer_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        # First, so that missing keys or a foreign socket directory fail at once, before a store is touched.
+        curve = client_credentials(config.endpoint, config.keys, config.producer_key)
         if torch.cuda.is_available():
             torch.cuda.init()  # before saying hello: a CUDA ring then opens in a millisecond, not a second
         self.stats = ConsumerStats()
@@ -87,11 +91,8 @@ class Consumer:
                 config.flush_s,
                 store_dtype=config.store_dtype,
             )
-        self._context = zmq.Context.instance()
-        self._announce = make_socket(self._context, zmq.PULL)
-        self._announce.connect(announce_endpoint(config.endpoint))
-        self._release = make_socket(self._context, zmq.PUSH, immediate=True)
-        self._release.connect(release_endpoint(config.endpoint))
+        self._sockets = ConsumerSockets(config.endpoint, self.consumer_id, curve)
+        self._announce, self._release = self._sockets.announce, self._sockets.release
         self._layout: protocol.Layout | None = None
         self._ring: RingReader | None = None
         self._row_bytes = 0
@@ -108,6 +109,8 @@ class Consumer:
         self._released_since_chunk = 0
         self._stopping = False
         self._last_hello = 0.0
+        #: When the producer first refused us (another consumer attached); None while not refused.
+        self._refused_since: float | None = None
         self._closed = False
 
     @property
@@ -142,7 +145,7 @@ class Consumer:
                 self.store.tick()
                 if self.on_tick is not None:
                     self.on_tick()
-                if self.config.watch_pid is not None and not _alive(self.config.watch_pid):
+                if self.config.watch_pid is not None and not pid_alive(self.config.watch_pid):
                     log.warning("process %d is gone; finishing the store", self.config.watch_pid)
                     self.close(f"process {self.config.watch_pid} exited")
                     break
@@ -161,16 +164,22 @@ class Consumer:
             log.error("the store could not be finished: %s", exc)
         finally:
             self._close_ring()
-            self._announce.close(linger=0)
-            self._release.close(linger=0)
+            self._sockets.close()
 
     # ------------------------------------------------------------------ messages
 
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
+        self._sockets.check()  # a tcp:// producer that refused our key: say so and stop, never wait forever
         token = self.config.token if self.config.token is not None else read_token(self.config.endpoint)
         hello = protocol.Hello(
-            v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, run_id=self.run_id, token=token
+            v=protocol.PROTOCOL_VERSION,
+            consumer_id=self.consumer_id,
+            run_id=self.run_id,
+            token=token,
+            pid=os.getpid(),
+            place=process_place(),
+            heartbeat_ms=self.config.heartbeat_ms,
         )
         with contextlib.suppress(zmq.Again):  # no producer yet: say it again next heartbeat
             self._release.send(protocol.encode(hello), zmq.NOBLOCK)
@@ -181,6 +190,8 @@ class Consumer:
             message = protocol.decode_to_consumer(data)
             if isinstance(message, protocol.Layout):
                 self._on_layout(message)
+            elif isinstance(message, protocol.Refused):
+                self._on_refused(message)
             elif self._layout is None:
                 pass  # meant for a consumer before us; the producer re-announces after our layout
             elif isinstance(message, protocol.Chunk):
@@ -213,12 +224,13 @@ class Consumer:
             )
         self._close_ring()
         self._ring = ring
+        self._refused_since = None
         self.store.allocate = ring.allocate
         self.store.barrier = ring.complete
         self.store.begin_run(layout)
         self._layout = layout
         # A producer we cannot see (another pid namespace) is not watched: never end a live run.
-        self._producer_pid = layout.pid if 0 < layout.pid < 2**31 and _alive(layout.pid) else 0
+        self._producer_pid = layout.pid if 0 < layout.pid < 2**31 and pid_alive(layout.pid) else 0
         self._row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
         self._last_seq = 0
         self._announced = {}
@@ -227,6 +239,18 @@ class Consumer:
         self.stats.rows_dropped = self._drops.begin_run()
         self._hello()  # confirms the layout: the producer starts announcing
         log.info("attached to run %s (%d slots of %d bytes)", layout.run_id, layout.num_slots, layout.slot_bytes)
+
+    def _on_refused(self, message: protocol.Refused) -> None:
+        """Another consumer is attached: ask again for longer than the producer takes to count it gone, then stop."""
+        if message.consumer_id != self.consumer_id:
+            return
+        now = time.monotonic()
+        wait_s = 1.5 * message.takeover_ms / 1000 + 2 * self.config.heartbeat_ms / 1000
+        if self._refused_since is None:
+            self._refused_since = now
+            log.warning("the producer refuses this consumer: %s; asking again for %.1f s", message.reason, wait_s)
+        elif now - self._refused_since > wait_s:
+            raise AccessError(f"the producer at {self.config.endpoint} refused this consumer: {message.reason}")
 
     def _on_chunk(self, chunk: protocol.Chunk, digest: int) -> None:
         layout, ring = self._layout, self._ring
@@ -309,7 +333,7 @@ class Consumer:
     def _producer_died(self) -> bool:
         """End the run if the producer's process is gone (checked once per heartbeat)."""
         layout = self._layout
-        if layout is None or not self._producer_pid or _alive(self._producer_pid):
+        if layout is None or not self._producer_pid or pid_alive(self._producer_pid):
             return False
         log.warning("producer process %d of run %s is gone; finishing its requests", self._producer_pid, layout.run_id)
         self.store.end_run("producer died", {})
@@ -323,16 +347,6 @@ class Consumer:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _check_layout(layout: protocol.Layout) -> None:

@@ -20,3 +20,8 @@ class StoreError(HSCaptureError):
 
 class CreditTimeout(HSCaptureError):
     """``block`` policy waited longer than ``block_timeout_s`` for a free ring slot."""
+
+
+class AccessError(HSCaptureError):
+    """A path or peer this user cannot trust: a socket directory or token file of another user or open
+    to others, a planted link, a key the other side refused, or a second consumer where one is attached."""

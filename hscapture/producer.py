@@ -40,21 +40,19 @@ import zmq
 from hscapture import protocol
 from hscapture.config import CaptureConfig, dtype_name
 from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError
+from hscapture.ownership import pid_alive, process_place
 from hscapture.protocol import short_repr
 from hscapture.ring import Ring, create_ring
-from hscapture.transport import (
-    announce_endpoint,
-    make_socket,
-    prepare_ipc_dir,
-    publish_token,
-    release_endpoint,
-    withdraw_token,
-)
+from hscapture.transport import ProducerSockets, publish_token, withdraw_token
 
 log = logging.getLogger(__name__)
 
 #: How long one wait for credit or a consumer polls before checking its deadline again.
 _POLL_MS = 20
+#: The attached consumer counts as gone after this many of its heartbeats of silence (and at least
+#: _TAKEOVER_MIN_S), or at once when its process has ended on this host; only then may another take over.
+_TAKEOVER_BEATS = 10
+_TAKEOVER_MIN_S = 2.0
 
 
 @dataclass
@@ -72,6 +70,8 @@ class ProducerCounters:
     events_dropped: int = 0
     messages_rejected: int = 0
     attaches: int = 0
+    #: Hellos of a second consumer refused while another was attached.
+    consumers_refused: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -98,6 +98,7 @@ class Producer:
 
     Raises:
         ValueError: descriptions do not match the captured tensors.
+        AccessError: the socket directory or the key directory cannot be trusted.
         zmq.ZMQError: the endpoint is in use by another producer.
     """
 
@@ -117,11 +118,19 @@ class Producer:
             )
         self.config = config
         self.run_id = uuid.uuid4().hex[:16]
-        self.token = config.token or secrets.token_hex(16)
+        # tcp:// peers prove themselves with their CURVE key; a token is checked there only when one was given.
+        self.token = config.token or (secrets.token_hex(16) if config.endpoint.startswith("ipc://") else "")
         self.counters = ProducerCounters()
         self._descriptions = list(tensor_descriptions)
         self._meta = {"config": config.to_dict(), **(meta or {})}
-        self.ring = ring or create_ring(torch.device(config.device), config.num_slots, config.slot_bytes, self.run_id)
+        self._sockets = ProducerSockets(config.endpoint, config.keys)  # refuses an untrusted directory before the ring
+        try:
+            self.ring = ring or create_ring(
+                torch.device(config.device), config.num_slots, config.slot_bytes, self.run_id
+            )
+        except BaseException:
+            self._sockets.close()
+            raise
         # Typed flat views of every slot, made once: slicing the ring per step costs more than the copy.
         self._slots = [self.ring.slot(i).view(config.torch_dtype) for i in range(config.num_slots)]
         self._free: deque[int] = deque(range(config.num_slots))
@@ -130,25 +139,21 @@ class Producer:
         self._request_drops: dict[str, int] = {}
         self._consumer_id: str | None = None  # attached: it confirmed our layout
         self._offered: str | None = None  # sent our layout, not confirmed yet
-        self._trusted: set[str] = set()  # consumer ids that presented the token: their releases count
+        # The one consumer we talk to (attached or offered): when it was last heard from, its pid when it runs
+        # in our pid namespace (0: watched by its silence only), and the silence after which it counts as gone.
+        self._peer_heard = 0.0
+        self._peer_pid = 0
+        self._peer_takeover_s = _TAKEOVER_MIN_S
+        self._refused: set[str] = set()  # consumers told so (logged once each)
         self._closed = False
         self._watchdog = watchdog
-
-        prepare_ipc_dir(config.endpoint)
-        self._context = zmq.Context.instance()
-        self._announce = make_socket(self._context, zmq.PUSH, immediate=True)
-        self._announce.setsockopt(zmq.SNDHWM, 100_000)
-        self._release = make_socket(self._context, zmq.PULL)
+        self._release = self._sockets.release
         try:
-            self._announce.bind(announce_endpoint(config.endpoint))
-            self._release.bind(release_endpoint(config.endpoint))
-        except zmq.ZMQError as exc:
+            publish_token(config.endpoint, self.token)
+        except BaseException:
             self._close_sockets()
             self.ring.close()
-            raise zmq.ZMQError(
-                exc.errno, f"endpoint {config.endpoint!r}: {exc.strerror}; is another producer running there?"
-            ) from None
-        publish_token(config.endpoint, self.token)
+            raise
         self._poller = zmq.Poller()
         self._poller.register(self._release, zmq.POLLIN)
 
@@ -406,26 +411,17 @@ class Producer:
         return self._free.popleft()
 
     def _send(self, payload: bytes) -> bool:
-        """Send on ``announce``; under ``drop`` give up at once, under ``block`` wait for a peer."""
-        try:
-            self._announce.send(payload, zmq.NOBLOCK)
+        """Send to our consumer; under ``drop`` give up at once, under ``block`` wait for one."""
+        if self._send_now(payload):
             return True
-        except zmq.Again:
-            if self.config.policy == "drop":
-                return False
-        sent = False
-
-        def try_send() -> bool:
-            nonlocal sent
-            try:
-                self._announce.send(payload, zmq.NOBLOCK)
-                sent = True
-            except zmq.Again:
-                pass
-            return sent
-
-        self._wait_until(try_send, "a consumer to send to")
+        if self.config.policy == "drop":
+            return False
+        self._wait_until(lambda: self._send_now(payload), "a consumer to send to")
         return True
+
+    def _send_now(self, payload: bytes) -> bool:
+        peer = self._consumer_id or self._offered
+        return peer is not None and self._sockets.send(peer, payload)
 
     def _wait_until(self, ready: Any, what: str) -> None:
         """Block (``block`` policy) serving the control socket until ``ready()`` holds."""
@@ -473,30 +469,45 @@ class Producer:
 
     def _on_release(self, message: protocol.Release) -> None:
         flight = self._in_flight.get(message.slot)
-        if message.consumer_id not in self._trusted or flight is None or flight.seq != message.seq:
+        peer = self._consumer_id or self._offered
+        if message.consumer_id != peer or flight is None or flight.seq != message.seq:
             raise ProtocolError(
                 f"Release: slot {short_repr(message.slot)} seq {short_repr(message.seq)} from consumer "
                 f"{short_repr(message.consumer_id)} does not match a slot in flight (stale or forged)"
             )
         del self._in_flight[message.slot]
         self._free.append(message.slot)
+        self._peer_heard = time.monotonic()
 
     def _on_hello(self, message: protocol.Hello) -> None:
-        """Attach in two steps: offer the layout, then hand out credit once the consumer confirms.
+        """Attach one consumer at a time, in two steps: offer the layout, then hand out credit once it confirms.
 
         A consumer confirms by saying hello with our run id, which it does as soon as it has
         opened the ring; until then no slot is announced, so a slow first open (CUDA context,
-        pinned buffers) costs no rows that could have waited in the ring.
+        pinned buffers) costs no rows that could have waited in the ring. While the consumer we
+        talk to is alive, any other is refused (:class:`~hscapture.protocol.Refused`); once it is
+        gone (its process ended on this host, or silent for ``_TAKEOVER_BEATS`` heartbeats) the
+        next one takes over, and the slots still in flight are announced to it again.
         """
-        if not hmac.compare_digest(message.token.encode(), self.token.encode()):
+        if self.token and not hmac.compare_digest(message.token.encode(), self.token.encode()):
             raise ProtocolError(
                 f"Hello: consumer {short_repr(message.consumer_id)} gave a wrong token; a stray process, or a "
-                "consumer of another run (tcp:// consumers need --token)"
+                "consumer of another run"
             )
-        self._trusted.add(message.consumer_id)
-        if message.consumer_id == self._consumer_id:
-            return  # heartbeat of the attached consumer
-        if message.run_id == self.run_id:  # it holds our layout: it confirms (again, after an interloper)
+        now = time.monotonic()
+        peer = self._consumer_id or self._offered
+        if message.consumer_id == peer:
+            self._peer_heard = now
+            if peer == self._consumer_id:
+                return  # heartbeat of the attached consumer
+            if message.run_id == self.run_id:  # it opened the ring of our layout: it confirms
+                self._confirm(peer)
+                return
+        elif peer is not None and self._peer_alive(now):
+            self._refuse(message.consumer_id, peer, now)
+            return
+        elif message.run_id == self.run_id:  # attached to us before (then silent): it holds our layout already
+            self._watch(message, now)
             self._confirm(message.consumer_id)
             return
         config = self.config
@@ -515,23 +526,53 @@ class Producer:
             meta=self._meta,
             pid=os.getpid(),
         )
-        try:
-            self._announce.send(protocol.encode(layout), zmq.NOBLOCK)
-        except zmq.Again:
+        if not self._sockets.send(message.consumer_id, protocol.encode(layout)):
             return  # its announce connection is not up yet; it says hello again
-        # A new consumer replaces the old one, which is gone: no credit until it confirms.
+        # The consumer we talked to (if any) is gone: no credit until this one confirms.
         self._offered, self._consumer_id = message.consumer_id, None
+        self._watch(message, now)
+
+    def _watch(self, message: protocol.Hello, now: float) -> None:
+        """Take the consumer of ``message`` as the one we talk to; note how to tell when it is gone."""
+        self._peer_heard = now
+        same_namespace = message.place == process_place() and pid_alive(message.pid)
+        self._peer_pid = message.pid if same_namespace else 0
+        heartbeat_s = (message.heartbeat_ms or 200) / 1000
+        self._peer_takeover_s = max(_TAKEOVER_MIN_S, _TAKEOVER_BEATS * heartbeat_s)
+
+    def _peer_alive(self, now: float) -> bool:
+        if self._peer_pid and not pid_alive(self._peer_pid):
+            return False
+        return now - self._peer_heard < self._peer_takeover_s
+
+    def _refuse(self, consumer_id: str, peer: str, now: float) -> None:
+        """Tell a second consumer that another one is attached (it prints why and exits)."""
+        reason = (
+            f"consumer {short_repr(peer)} is attached to {self.config.endpoint} (heard from "
+            f"{now - self._peer_heard:.1f} s ago) and a producer serves one consumer at a time; stop that one "
+            "first, or point this one at another producer"
+        )
+        refusal = protocol.Refused(
+            v=protocol.PROTOCOL_VERSION,
+            consumer_id=consumer_id,
+            reason=reason,
+            takeover_ms=round(self._peer_takeover_s * 1000),
+        )
+        self._sockets.send(consumer_id, protocol.encode(refusal))
+        self.counters.consumers_refused += 1
+        if consumer_id not in self._refused and len(self._refused) < 1000:
+            self._refused.add(consumer_id)
+            log.warning("refused consumer %s: %s", short_repr(consumer_id), reason)
 
     def _confirm(self, consumer_id: str) -> None:
         self._consumer_id, self._offered = consumer_id, None
         self.counters.attaches += 1
         log.info("consumer %s attached", consumer_id)
         # Slots announced to a consumer that is gone still hold their rows: announce them again.
-        try:
-            for flight in sorted(self._in_flight.values(), key=lambda f: f.seq):
-                self._announce.send(flight.payload, zmq.NOBLOCK)
-        except zmq.Again:
-            self._consumer_id = None  # gone again mid-way; its successor's hello starts over
+        for flight in sorted(self._in_flight.values(), key=lambda f: f.seq):
+            if not self._sockets.send(consumer_id, flight.payload):
+                self._consumer_id = None  # gone again mid-way; its successor's hello starts over
+                break
 
     def _count_drop(self, request_ids: Sequence[str], starts: list[int], begin: int, end: int) -> None:
         self.counters.rows_dropped += end - begin
@@ -541,8 +582,7 @@ class Producer:
             self._request_drops[request_id] = self._request_drops.get(request_id, 0) + count
 
     def _close_sockets(self) -> None:
-        self._announce.close(linger=0)
-        self._release.close(linger=0)
+        self._sockets.close()
 
 
 class NullProducer:

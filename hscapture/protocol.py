@@ -2,8 +2,9 @@
 
 Two sockets per run, named for their role (zguide habit: the long-lived side binds):
 
-* ``announce`` (producer PUSH, bound -> consumer PULL): :class:`Layout`, :class:`Chunk`,
-  :class:`RequestFinished`, :class:`EndOfStream`, in the order the engine produced them.
+* ``announce`` (producer ROUTER, bound -> consumer DEALER): :class:`Layout`, :class:`Chunk`,
+  :class:`RequestFinished`, :class:`EndOfStream`, in the order the engine produced them, to the one
+  attached consumer; :class:`Refused` to a consumer that may not attach.
 * ``release`` (consumer PUSH -> producer PULL, bound): :class:`Hello` (attach and heartbeat)
   and :class:`Release` (a credit: the slot may be written again).
 
@@ -22,7 +23,8 @@ import numpy as np
 
 from hscapture.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+#: 2: announcements addressed to one consumer (ROUTER/DEALER), :class:`Refused`, liveness fields in :class:`Hello`.
+PROTOCOL_VERSION = 2
 
 #: Row metadata travels as little-endian int64 arrays packed in msgpack bin fields.
 ROW_DTYPE = np.dtype("<i8")
@@ -40,8 +42,15 @@ class Hello(Message, tag="hello"):
     consumer_id: str
     run_id: str = ""
     #: The producer's per-run secret: read from the 0600 token file beside an ipc:// endpoint,
-    #: or given with --token for tcp://. A hello without it cannot attach.
+    #: or given with --token. A hello without it cannot attach (on tcp:// the CURVE key is the
+    #: credential, and a token is checked only where the producer was given one).
     token: str = ""
+    #: The consumer's process id and where it runs (host name and pid namespace, see
+    #: ``transport.process_place``): a producer on the same host tells at once when it died.
+    pid: int = 0
+    place: str = ""
+    #: How often this consumer says hello; the producer counts it gone after a silence of many of these.
+    heartbeat_ms: int = 0
 
 
 class Release(Message, tag="release"):
@@ -50,6 +59,19 @@ class Release(Message, tag="release"):
     consumer_id: str
     slot: int
     seq: int
+
+
+class Refused(Message, tag="refused"):
+    """Producer -> consumer: this consumer may not attach; ``reason`` says why and what to do.
+
+    ``takeover_ms`` is the silence after which the producer counts the attached consumer as gone
+    (a consumer restarted after a crash is refused until then, and attaches after); 0 means the
+    refusal is final.
+    """
+
+    consumer_id: str
+    reason: str
+    takeover_ms: int = 0
 
 
 class Layout(Message, tag="layout"):
@@ -128,7 +150,7 @@ class EndOfStream(Message, tag="eos"):
 
 
 ToProducer = Hello | Release
-ToConsumer = Layout | Chunk | RequestFinished | EndOfStream
+ToConsumer = Layout | Chunk | RequestFinished | EndOfStream | Refused
 
 _encoder = msgspec.msgpack.Encoder()
 _to_producer = msgspec.msgpack.Decoder(ToProducer)
@@ -155,7 +177,7 @@ def decode_to_producer(data: bytes) -> Hello | Release:
     return _decode(_to_producer, data)
 
 
-def decode_to_consumer(data: bytes) -> Layout | Chunk | RequestFinished | EndOfStream:
+def decode_to_consumer(data: bytes) -> Layout | Chunk | RequestFinished | EndOfStream | Refused:
     """Decode a message the consumer receives, or raise :class:`ProtocolError` saying why."""
     return _decode(_to_consumer, data)
 

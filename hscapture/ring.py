@@ -15,9 +15,12 @@ Announcements carry only ``(slot, offset, nbytes)``, never handles or paths.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
+import re
 import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from hscapture.errors import ProtocolError
+from hscapture.ownership import create_private, pid_alive, unlink_ours
 from hscapture.protocol import short_repr
 
 log = logging.getLogger(__name__)
@@ -96,27 +100,34 @@ class RingReader(ABC):
         """Unmap the ring. Idempotent; never raises."""
 
 
+#: ``hscapture-UID-PID-NAME.ring``: the owner's pid in the name lets a later run reclaim a dead owner's ring.
+_RING_NAME = re.compile(r"^hscapture-(\d+)-(\d+)-.+\.ring$")
+
+
 class HostRing(Ring):
     """A ring in POSIX shared memory (a file in /dev/shm), for CPU engines and tests.
 
-    The file is created exclusively with mode 0600 and unlinked on close; a consumer that
-    still has it mapped keeps reading valid memory until it unmaps.
+    The file ``hscapture-UID-PID-NAME.ring`` is created exclusively with mode 0600, stays locked
+    (``flock``) while its producer lives, and is unlinked on close; a consumer that still has it
+    mapped keeps reading valid memory until it unmaps. A producer killed before its close leaves
+    the file behind: the next host ring of the same user removes it (:func:`reclaim_host_rings`).
     """
 
     def __init__(self, num_slots: int, slot_bytes: int, name: str) -> None:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.path = SHM_DIR / f"hscapture-{os.getuid()}-{name}.ring"
+        reclaim_host_rings()
+        self.path = SHM_DIR / f"hscapture-{os.getuid()}-{os.getpid()}-{name}.ring"
         nbytes = num_slots * slot_bytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._fd: int | None = create_private(self.path)
         try:
-            os.ftruncate(fd, nbytes)
-            self._map = mmap.mmap(fd, nbytes)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for our life: the file is in use
+            os.ftruncate(self._fd, nbytes)
+            self._map = mmap.mmap(self._fd, nbytes)
         except OSError:
             self.path.unlink(missing_ok=True)
+            os.close(self._fd)
             raise
-        finally:
-            os.close(fd)
         self._bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def slot(self, index: int) -> torch.Tensor:
@@ -133,11 +144,51 @@ class HostRing(Ring):
             return
         self._bytes = None
         self.path.unlink(missing_ok=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         try:
             self._map.close()
         except BufferError:
             # A caller still holds a view of a slot: the mapping goes when that view does.
             log.debug("ring %s still viewed; unmapping when the last view is freed", self.path)
+
+
+def reclaim_host_rings() -> list[Path]:
+    """Remove the host rings of this user whose producers died; the paths removed.
+
+    A ring is reclaimed only when it is a regular file of ours, the pid in its name is not alive
+    here, and nobody holds its lock (its producer may live in another pid namespace). Another
+    user's files are never touched.
+    """
+    removed: list[Path] = []
+    uid = os.getuid()
+    with os.scandir(SHM_DIR) as entries:
+        candidates = [(e.name, _RING_NAME.match(e.name)) for e in entries if e.name.startswith(f"hscapture-{uid}-")]
+    for name, match in candidates:
+        if match is None or int(match.group(1)) != uid or pid_alive(int(match.group(2))):
+            continue
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its producer lives (elsewhere)
+            with contextlib.suppress(FileNotFoundError):
+                if os.lstat(path).st_ino == info.st_ino and unlink_ours(path):
+                    removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d host rings of dead producers from %s", len(removed), SHM_DIR)
+    return removed
 
 
 class HostRingReader(RingReader):

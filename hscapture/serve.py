@@ -32,6 +32,7 @@ from hscapture.integrations.sglang import (
     server_args,
 )
 from hscapture.integrations.sglang_offline import sglang_layer_ids
+from hscapture.keys import KEYS_ENV, ensure_keys
 from hscapture.reader import open_store
 
 
@@ -49,6 +50,9 @@ class ServeOptions:
     policy: str = field(default="drop", metadata=flag(choices=POLICIES))
     #: Base ZeroMQ endpoint (default: a private ipc:// path).
     endpoint: str | None = None
+    #: Key directory for a tcp:// endpoint (``hscapture keys`` makes it); by default ``$HSCAPTURE_KEYS``
+    #: or ``~/.config/hscapture/keys``.
+    keys: Path | None = None
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
     #: Bytes of one ring slot.
@@ -99,6 +103,12 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
         meta={"launcher": "hscapture serve", "server_args": sglang_args},
     )
     env = {**os.environ, ENV: settings.to_env()}
+    keys_args: list[str] = []
+    if base.startswith("tcp://"):  # both sides are ours: make the key pair before the consumers look for it
+        ensure_keys(options.keys)
+        if options.keys is not None:
+            env[KEYS_ENV] = str(options.keys)
+            keys_args = ["--keys", str(options.keys)]
     extra = server_args(layer_ids)
     cpu_env = cpu_host_env()
     if cpu_env:  # no NVIDIA driver here: SGLang's CPU path
@@ -113,6 +123,7 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
                 "--exit-on-eos",
                 "--shard-bytes",
                 str(options.shard_bytes),
+                *keys_args,
                 *options.consumer_args,
             ),
             start_new_session=True,  # a terminal's Ctrl-C reaches us; we stop the consumers in order

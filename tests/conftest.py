@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -67,8 +69,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Subprocesses that build the embedded model write it under the test session, not ~/.cache."""
+    """Subprocesses that build the embedded model write it under the test session, not ~/.cache; CURVE keys too."""
     monkeypatch.setenv("HSCAPTURE_HOME", str(tmp_path_factory.getbasetemp() / "home"))
+    monkeypatch.setenv("HSCAPTURE_KEYS", str(tmp_path_factory.getbasetemp() / "keys"))
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -129,3 +132,30 @@ def streaming_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
         shutil.rmtree(directory, ignore_errors=True)
     assert counters.rows_dropped > 0, "the consumer was not slow enough to force drops"
     yield out, workload
+
+
+@dataclass
+class OtherUser:
+    """A real second local user, for what another user on a shared host could do to ours."""
+
+    name: str
+    uid: int
+    gid: int
+
+    def run(self, script: str) -> None:
+        """Run a shell script as this user (no supplementary groups of ours)."""
+        subprocess.run(["sh", "-c", script], user=self.uid, group=self.gid, extra_groups=[], check=True)
+
+
+@pytest.fixture
+def other_user() -> Iterator[OtherUser]:
+    """A user made with ``useradd`` for this test and removed after it; skips unless the tests run as root."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root and useradd to make a second local user")
+    name = f"hsc{uuid.uuid4().hex[:8]}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+    try:
+        entry = pwd.getpwnam(name)
+        yield OtherUser(name, entry.pw_uid, entry.pw_gid)
+    finally:
+        subprocess.run(["userdel", name], check=False)

@@ -35,7 +35,7 @@ from hscapture.producer import Producer
 from hscapture.protocol import PROTOCOL_VERSION as V
 from hscapture.protocol import Chunk, EndOfStream, Hello, Layout, Release, RequestFinished
 from hscapture.ring import SHM_DIR, HostRing
-from hscapture.transport import announce_endpoint, make_socket, prepare_ipc_dir, release_endpoint
+from hscapture.transport import ProducerSockets, release_endpoint
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.workload import Workload, make_config, make_producer
 
@@ -235,7 +235,7 @@ def test_producer_rejects_every_hostile_control_message_and_keeps_the_stream_bit
             send(Release(v=V, consumer_id=real_id, slot=slot, seq=seq), "stale or forged")
         for other in ("intruder", "", real_id + "x", real_id[:-1]):  # right slot and seq, forged handle
             send(Release(v=V, consumer_id=other, slot=slot, seq=flight.seq), "stale or forged")
-        for version in (0, 2, 2**63 - 1):  # right in every field but the version: must not free the slot
+        for version in (0, V + 1, 2**63 - 1):  # right in every field but the version: must not free the slot
             send(Release(v=version, consumer_id=real_id, slot=slot, seq=flight.seq), "protocol version")
         released_before.append((slot, flight.seq))
 
@@ -251,7 +251,7 @@ def test_producer_rejects_every_hostile_control_message_and_keeps_the_stream_bit
         (Hello(v=V, consumer_id="💥" * 1000, token="x" * 10_000), "wrong token"),
         (Hello(v=V, consumer_id=real_id, run_id=producer.run_id, token="0" * 32), "wrong token"),
         (Hello(v=V, consumer_id=real_id, run_id="", token=producer.token + " "), "wrong token"),
-        (Hello(v=2, consumer_id="intruder", token=producer.token), "protocol version"),
+        (Hello(v=V + 1, consumer_id="intruder", token=producer.token), "protocol version"),
         (Hello(v=0, consumer_id=real_id, run_id=producer.run_id, token=producer.token), "protocol version"),
         (_enc({"type": "hello", "v": V, "consumer_id": 5, "token": producer.token}), "malformed message"),
         (_enc({"type": "hello", "v": "1", "consumer_id": "c", "token": producer.token}), "malformed message"),
@@ -440,14 +440,8 @@ class FakeProducer:
     """The producer's two sockets bound by the test, and a HostRing the test fills with known rows."""
 
     def __init__(self, endpoint: str, seed: int) -> None:
-        prepare_ipc_dir(endpoint)
-        context = zmq.Context.instance()
-        self.announce = make_socket(context, zmq.PUSH)
-        self.announce.setsockopt(zmq.SNDTIMEO, 10_000)
-        self.announce.setsockopt(zmq.SNDHWM, 100_000)
-        self.announce.bind(announce_endpoint(endpoint))
-        self.release = make_socket(context, zmq.PULL)
-        self.release.bind(release_endpoint(endpoint))
+        self.sockets = ProducerSockets(endpoint)
+        self.release = self.sockets.release
         self.ring = HostRing(NUM_SLOTS, SLOT_BYTES, f"hostile-{uuid.uuid4().hex[:12]}")
         self.run_id = uuid.uuid4().hex[:16]
         self.consumer_id = ""
@@ -460,8 +454,7 @@ class FakeProducer:
         self.consumer: LiveConsumer | None = None
 
     def close(self) -> None:
-        self.announce.close(linger=0)
-        self.release.close(linger=0)
+        self.sockets.close()
         self.ring.close()
 
     # ---------------------------------------------------------------- sockets
@@ -474,11 +467,11 @@ class FakeProducer:
     def send(self, message: protocol.Message | bytes) -> None:
         data = message if isinstance(message, bytes) else protocol.encode(message)
         deadline = time.monotonic() + 10
-        while not self.announce.poll(100, zmq.POLLOUT):  # no consumer connected (any more)
+        while not self.sockets.send(self.consumer_id, data):  # the consumer is not connected (any more)
             self.check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError("no consumer to send to")
-        self.announce.send(data, zmq.NOBLOCK)
+            time.sleep(0.01)
 
     def receive(self, timeout_s: float) -> Hello | Release | None:
         if not self.release.poll(max(0, int(min(timeout_s, 0.1) * 1000))):
@@ -655,7 +648,7 @@ def test_consumer_rejects_every_hostile_announcement_and_stores_exactly_the_vali
     assert len(undecodable) > 150  # some byte flips still decode (another seq, step...): not sent
     for data in undecodable:
         reject(data, GARBAGE)
-    for version in (0, 2, -1, 2**63 - 1):
+    for version in (0, V + 1, -1, 2**63 - 1):
         reject(fake.forge(v=version), "protocol version")
     reject(_enc({**fields_of(fake.forge()), "slot": "0"}), "malformed message")
     reject(_enc({**fields_of(fake.forge()), "positions": [0, 1]}), "malformed message")
@@ -725,7 +718,7 @@ def test_consumer_rejects_every_hostile_announcement_and_stores_exactly_the_vali
         reject(layout(slot_bytes=-SLOT_BYTES), "Layout: unusable ring")
         reject(layout(tensor_names=[], tensor_descriptions=[]), r"Layout\.tensor_names")
         reject(layout(tensor_descriptions=["only one"]), r"Layout\.tensor_names")
-        reject(layout(v=2), "protocol version")
+        reject(layout(v=V + 1), "protocol version")
         reject(_enc({**fields_of(layout()), "ring": [1, 2]}), "malformed message")
         reject(_enc({**fields_of(layout()), "num_slots": None}), "malformed message")
         # Not for us, or a repeat of ours: ignored without a word (not rejections).

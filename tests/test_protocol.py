@@ -18,6 +18,7 @@ from hscapture.protocol import (
     EndOfStream,
     Hello,
     Layout,
+    Refused,
     Release,
     RequestFinished,
     check_chunk,
@@ -29,6 +30,8 @@ from hscapture.protocol import (
 )
 
 V = PROTOCOL_VERSION
+#: A version this side does not speak (the next one).
+W = V + 1
 
 
 def layout(**overrides: object) -> Layout:
@@ -77,6 +80,7 @@ def chunk(**overrides: object) -> Chunk:
 TO_PRODUCER = [
     Hello(v=V, consumer_id="c-1"),
     Hello(v=V, consumer_id="c-1", run_id="run-1"),
+    Hello(v=V, consumer_id="c-1", token="t" * 32, pid=4321, place="host/pid:[4026531836]", heartbeat_ms=200),
     Release(v=V, consumer_id="c-1", slot=3, seq=12345678901),
 ]
 TO_CONSUMER = [
@@ -95,6 +99,7 @@ TO_CONSUMER = [
     ),
     EndOfStream(v=V, run_id="run-1"),
     EndOfStream(v=V, run_id="run-1", counters={"rows_captured": 10, "rows_dropped": 0}),
+    Refused(v=V, consumer_id="c-2", reason="consumer c-1 is attached", takeover_ms=2000),
 ]
 
 
@@ -146,29 +151,29 @@ def test_producer_message_rejected_by_consumer(message: protocol.Message) -> Non
 
 
 def test_wrong_version_to_producer() -> None:
-    with pytest.raises(ProtocolError, match=r"Hello: protocol version 2, this side speaks 1") as exc:
-        decode_to_producer(encode(Hello(v=2, consumer_id="c")))
+    with pytest.raises(ProtocolError, match=rf"Hello: protocol version {W}, this side speaks {V}") as exc:
+        decode_to_producer(encode(Hello(v=W, consumer_id="c")))
     assert "same hscapture version" in str(exc.value)
 
 
 @pytest.mark.parametrize(
     "message",
-    [layout(v=2), chunk(v=2), RequestFinished(v=2, request_id="a", reason="finished"), EndOfStream(v=2, run_id="r")],
+    [layout(v=W), chunk(v=W), RequestFinished(v=W, request_id="a", reason="finished"), EndOfStream(v=W, run_id="r")],
     ids=lambda m: type(m).__name__,
 )
 def test_wrong_version_to_consumer(message: protocol.Message) -> None:
-    with pytest.raises(ProtocolError, match=r"protocol version 2"):
+    with pytest.raises(ProtocolError, match=rf"protocol version {W}"):
         decode_to_consumer(encode(message))
 
 
 def test_wrong_version_malformed_message_still_names_the_version() -> None:
-    # A v2 peer may send a message type or fields this side does not know: the error says why.
+    # A newer peer may send a message type or fields this side does not know: the error says why.
     msgpack_encode = msgspec.msgpack.encode
     for data in (
-        msgpack_encode({"type": "chunk", "v": 2, "seq": 1}),
-        msgpack_encode({"type": "brand-new", "v": 2}),
+        msgpack_encode({"type": "chunk", "v": W, "seq": 1}),
+        msgpack_encode({"type": "brand-new", "v": W}),
     ):
-        with pytest.raises(ProtocolError, match=r"malformed message.*peer speaks protocol version 2"):
+        with pytest.raises(ProtocolError, match=rf"malformed message.*peer speaks protocol version {W}"):
             decode_to_consumer(data)
 
 

@@ -1,0 +1,169 @@
+"""What this user owns, checked before it is trusted: private directories and files, live processes.
+
+A multi-user GPU host is the normal home of hscapture, so another user may create a directory
+first that we meant to create, or plant a symbolic link where we are about to write. Hence:
+
+* a directory we keep sockets, tokens or keys in must be ours, a real directory (no link) and
+  closed to others (0700); one that is not is refused, never repaired behind the user's back;
+* a file we write is created afresh under an unpredictable name of our own with
+  ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, then renamed over its name (a link planted
+  there is replaced, never followed);
+* a file we read a secret from is opened with ``O_NOFOLLOW`` and must be a regular file of ours
+  that no one else can read (secrets) or write (public keys).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import os
+import re
+import secrets
+import socket
+import stat
+from pathlib import Path
+
+from hscapture.errors import AccessError
+
+#: Our temp files: ``.NAME.PID.RANDOM.tmp``; the pid lets a later run reclaim those of a dead writer.
+_TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{12}\.tmp$")
+
+#: Secrets and keys are small; a larger file in their place is not one of ours.
+_MAX_READ = 1 << 16
+
+
+def private_dir(path: Path, what: str) -> Path:
+    """``path`` as a directory of this user closed to others; created with mode 0700 if missing.
+
+    Raises:
+        AccessError: it is a link, not a directory, another user's, or open to group or others;
+            the message names the directory and the fix.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    check_private_dir(path, what)
+    return path
+
+
+def check_private_dir(path: Path, what: str) -> None:
+    """Raise :class:`AccessError` unless ``path`` is a real directory of ours that no one else may enter."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise AccessError(
+            f"{what} {path} is a symbolic link (to {os.readlink(path)!r}), which hscapture never follows: "
+            "another user may have planted it; remove it, or choose another path"
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise AccessError(f"{what} {path} is not a directory; remove it, or choose another path")
+    fix = f"if you made it and trust its contents run `chmod 700 {path}`, else remove it"
+    _check_owner(info, path, what, 0o077, fix)
+
+
+def _check_owner(info: os.stat_result, path: Path, what: str, open_bits: int, fix_mode: str) -> None:
+    """Raise :class:`AccessError` when ``info`` is another user's, or has any of ``open_bits`` set."""
+    if info.st_uid != os.getuid():
+        raise AccessError(
+            f"{what} {path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}): another user may have "
+            "made it to read or redirect your files; have it removed (by its owner or root), or choose another path"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & open_bits:
+        raise AccessError(f"{what} {path} has mode {mode:04o}, open to other users; {fix_mode}")
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically, mode 0600, never writing through a link planted anywhere."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    fd = create_private(temp, os.O_WRONLY)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def create_private(path: Path, flags: int = os.O_RDWR) -> int:
+    """A new file at ``path`` (never an existing one, never through a link), mode 0600; its descriptor."""
+    return os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def read_private(path: Path, what: str, *, secret: bool = True) -> bytes | None:
+    """The bytes of a file of ours (None when it does not exist).
+
+    Args:
+        path: the file; a symbolic link there is refused, not followed.
+        what: its name in messages (e.g. "token file").
+        secret: no one else may read it (mode 0600 or stricter); otherwise no one else may write it.
+
+    Raises:
+        AccessError: a link, not a regular file, another user's, or too open; the message says the fix.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise AccessError(
+                f"{what} {path} is a symbolic link, which hscapture never follows: another user may have planted "
+                "it; remove it"
+            ) from None
+        raise AccessError(f"{what} {path}: cannot open it ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AccessError(f"{what} {path} is not a regular file; remove it")
+        _check_owner(info, path, what, 0o077 if secret else 0o022, f"run `chmod {600 if secret else 644} {path}`")
+        return os.read(fd, _MAX_READ)
+    finally:
+        os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists in our pid namespace (one of another user's counts as alive)."""
+    if not 0 < pid < 2**31:  # 0 and -N would signal process groups; larger ones are no pid_t
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim_temp(entry: os.DirEntry) -> bool:
+    """Remove ``entry`` if it is a temp file of ours (see :func:`write_private`) whose writer died."""
+    match = _TEMP.match(entry.name)
+    if match is None or pid_alive(int(match.group(1))):
+        return False
+    return unlink_ours(Path(entry.path))
+
+
+def unlink_ours(path: Path) -> bool:
+    """Unlink ``path`` if it is ours (never another user's file, even as root); whether it was removed."""
+    try:
+        if os.lstat(path).st_uid != os.getuid():
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@functools.cache
+def process_place() -> str:
+    """Where this process's pid means something: host name and pid namespace (pids compare only within one)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = "?"
+    return f"{socket.gethostname()}/{namespace}"
