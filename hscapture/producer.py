@@ -340,7 +340,9 @@ class Producer:
         there. Returns False when ``drop`` could not send (the slot is free again).
         """
         self.ring.mark_written(slot)
-        if self._send_chunk(slot, rows, row_stride, request_ids, request_rows, positions, token_ids, self.counters.steps):
+        if self._send_chunk(
+            slot, rows, row_stride, request_ids, request_rows, positions, token_ids, self.counters.steps
+        ):
             return True
         self._free.appendleft(slot)
         return False
