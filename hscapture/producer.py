@@ -98,8 +98,8 @@ class WrittenStep:
     #: Kept rows copied into the ring: the first ``written``; the rest were dropped and counted.
     written: int
     request_ids: Sequence[str]
-    #: Cumulative kept-row counts of ``request_ids``: request ``i`` owns rows ``starts[i]:starts[i+1]``.
-    starts: list[int]
+    #: Consecutive kept rows each of ``request_ids`` owns.
+    request_rows: Sequence[int]
     #: ``(slot, first kept row, rows)`` of each slot written, in row order; emptied when announced.
     slots: list[tuple[int, int, int]]
 
@@ -147,6 +147,7 @@ class Producer:
         self.token = config.token or secrets.token_hex(16)
         self.counters = ProducerCounters()
         self._descriptions = list(tensor_descriptions)
+        self._num_tensors, self._dtype = config.num_tensors, config.torch_dtype  # read every step
         self._meta = {"config": config.to_dict(), **(meta or {})}
         self.ring = ring or create_ring(torch.device(config.device), config.num_slots, config.slot_bytes, self.run_id)
         # Typed flat views of every slot, made once: slicing the ring per step costs more than the copy.
@@ -288,25 +289,24 @@ class Producer:
         config = self.config
         self.counters.steps += 1
         self._drain_control()
-        starts = list(itertools.accumulate(request_rows, initial=0))
         slots: list[tuple[int, int, int]] = []
         begin = 0
         while begin < rows:
             count = min(config.rows_per_slot, rows - begin)
             slot = self._acquire_slot()
             if slot is None:
-                self._count_drop(request_ids, starts, begin, rows)
+                self._count_drop(request_ids, request_rows, begin, rows)
                 break
             self._write(slot, states, row_index, begin, count)
             self.ring.mark_written(slot)
             self._written[slot] = count
             slots.append((slot, begin, count))
             begin += count
-        return WrittenStep(self.counters.steps, rows, begin, request_ids, starts, slots)
+        return WrittenStep(self.counters.steps, rows, begin, request_ids, request_rows, slots)
 
     def _announce_step(self, step: WrittenStep, positions: np.ndarray, token_ids: np.ndarray) -> int:
         for done, (slot, begin, count) in enumerate(step.slots):
-            ids, counts = _spans(step.request_ids, step.starts, begin, begin + count)
+            ids, counts = _spans(step.request_ids, step.request_rows, begin, begin + count)
             end = begin + count
             if not self._send_chunk(slot, count, 0, ids, counts, positions[begin:end], token_ids[begin:end], step.step):
                 self._unwrite(step, done)
@@ -322,7 +322,7 @@ class Producer:
             del self._written[slot]
             self._free.appendleft(slot)
         if first < len(slots):
-            self._count_drop(step.request_ids, step.starts, slots[first][1], step.written)
+            self._count_drop(step.request_ids, step.request_rows, slots[first][1], step.written)
 
     def announce_written(
         self,
@@ -399,8 +399,7 @@ class Producer:
 
     def count_dropped(self, request_ids: Sequence[str], request_rows: Sequence[int]) -> None:
         """Count rows that were computed but not captured (no credit under ``drop``)."""
-        starts = list(itertools.accumulate(request_rows, initial=0))
-        self._count_drop(request_ids, starts, 0, starts[-1])
+        self._count_drop(request_ids, request_rows, 0, sum(request_rows))
 
     def finish_request(
         self,
@@ -496,16 +495,17 @@ class Producer:
         row_index: torch.Tensor | None,
     ) -> int:
         config = self.config
-        if len(states) != config.num_tensors:
+        if len(states) != self._num_tensors:
             raise ValueError(f"states: planned {config.num_tensors} tensors {config.tensor_names}, got {len(states)}")
         first = states[0]
-        for name, state in zip(config.tensor_names, states):
-            if state.dim() != 2 or state.shape[1] != config.hidden_size or state.shape[0] != first.shape[0]:
+        planned, dtype = (first.shape[0], config.hidden_size), self._dtype
+        for i, state in enumerate(states):  # the names only when something is wrong: building them costs
+            if state.shape != planned:
+                raise ValueError(f"states[{config.tensor_names[i]}]: planned {list(planned)}, got {list(state.shape)}")
+            if state.dtype != dtype:
                 raise ValueError(
-                    f"states[{name}]: planned [{first.shape[0]}, {config.hidden_size}], got {list(state.shape)}"
+                    f"states[{config.tensor_names[i]}]: planned dtype {config.dtype}, got {dtype_name(state.dtype)}"
                 )
-            if state.dtype != config.torch_dtype:
-                raise ValueError(f"states[{name}]: planned dtype {config.dtype}, got {dtype_name(state.dtype)}")
         rows = first.shape[0] if row_index is None else row_index.numel()
         if request_rows and min(request_rows) <= 0:
             raise ValueError(f"request_rows: every request owns at least one row, got {list(request_rows)[:16]}")
@@ -530,8 +530,8 @@ class Producer:
         count: int,
     ) -> None:
         config = self.config
-        dst = self._slots[slot][: count * config.num_tensors * config.hidden_size]
-        dst = dst.view(config.num_tensors, count, config.hidden_size)
+        dst = self._slots[slot][: count * self._num_tensors * config.hidden_size]
+        dst = dst.view(self._num_tensors, count, config.hidden_size)
         if row_index is None:  # one launch for all tensors, not one copy each
             whole = begin == 0 and count == states[0].shape[0]  # the usual step: no slicing
             torch.stack(states if whole else [state[begin : begin + count] for state in states], out=dst)
@@ -682,10 +682,10 @@ class Producer:
         except zmq.Again:
             self._consumer_id = None  # gone again mid-way; its successor's hello starts over
 
-    def _count_drop(self, request_ids: Sequence[str], starts: list[int], begin: int, end: int) -> None:
+    def _count_drop(self, request_ids: Sequence[str], request_rows: Sequence[int], begin: int, end: int) -> None:
         self.counters.rows_dropped += end - begin
         self.counters.chunks_dropped += -(-(end - begin) // self.config.rows_per_slot)
-        ids, counts = _spans(request_ids, starts, begin, end)
+        ids, counts = _spans(request_ids, request_rows, begin, end)
         for request_id, count in zip(ids, counts):
             self._request_drops[request_id] = self._request_drops.get(request_id, 0) + count
 
@@ -710,8 +710,7 @@ class NullProducer:
         request_rows: Sequence[int],
         row_index: torch.Tensor | None = None,
     ) -> WrittenStep:
-        rows = sum(request_rows)
-        return WrittenStep(0, rows, 0, request_ids, list(itertools.accumulate(request_rows, initial=0)), [])
+        return WrittenStep(0, sum(request_rows), 0, request_ids, request_rows, [])
 
     def announce_step(self, *args: Any, **kwargs: Any) -> int:
         return 0
@@ -732,10 +731,13 @@ class NullProducer:
         return None
 
 
-def _spans(request_ids: Sequence[str], starts: list[int], begin: int, end: int) -> tuple[list[str], list[int]]:
-    """Request ids and row counts covering kept rows ``[begin, end)``; ``starts`` are cumulative."""
-    if begin == 0 and end == starts[-1]:  # the whole step in one chunk: the usual decode case
-        return list(request_ids), [b - a for a, b in itertools.pairwise(starts)]
+def _spans(
+    request_ids: Sequence[str], request_rows: Sequence[int], begin: int, end: int
+) -> tuple[list[str], list[int]]:
+    """Request ids and row counts covering kept rows ``[begin, end)`` of a step."""
+    if begin == 0 and end == sum(request_rows):  # the whole step in one chunk: the usual decode case
+        return list(request_ids), list(request_rows)
+    starts = list(itertools.accumulate(request_rows, initial=0))
     first = bisect.bisect_right(starts, begin) - 1
     ids: list[str] = []
     counts: list[int] = []

@@ -10,7 +10,8 @@ settings; then it registers three hooks through SGLang's ``HookRegistry`` (no so
   (``logits_output.hidden_states``) and the post-norm last layer (``.last_hidden_states``),
   inside CUDA graphs too; after a graph replay both are views the next replay overwrites, so
   the producer copies them into its ring at once (a device copy, no host sync).
-* AFTER ``Scheduler.process_batch_result``: requests that finished, aborted or were retracted.
+* AFTER ``Scheduler.process_batch_result``: announces the rows whose token ids the host now
+  holds, then ends the requests that finished or were aborted (with their retraction count).
 * AROUND ``Scheduler.handle_rpc_request``: ``Engine.collective_rpc(CLOSE_RPC)`` closes the
   producer cleanly (end of stream) before an offline engine shuts down.
 
@@ -318,7 +319,7 @@ class SGLangCapture:
         if batch.forward_mode.is_decode():  # one fresh row per request: nothing is ever skipped
             if batch.seq_lens_cpu is None:
                 raise RuntimeError("SGLang gave a decode batch without seq_lens_cpu; cannot place its rows")
-            positions = np.asarray(batch.seq_lens_cpu, dtype=np.int64) - 1
+            positions = batch.seq_lens_cpu.numpy().astype(np.int64, copy=False) - 1
             rids = [req.rid for req in reqs]
             firsts = positions.tolist()
             sent.update(zip(rids, [p + 1 for p in firsts]))
@@ -454,6 +455,16 @@ def _tokens(pending: _Pending) -> np.ndarray | None:
     past the end of a request that ended (the overlap scheduler's step after a finish, or an
     output SGLang discarded) gets -1; the store cuts such rows (``surplus_rows``).
     """
+    if len(pending.reqs) == len(pending.positions):  # one row per request (decode): its token is an output
+        try:
+            outputs = [
+                r.output_ids[k] if (k := p - len(r.origin_input_ids)) >= 0 else -1
+                for r, p in zip(pending.reqs, pending.firsts)
+            ]
+            if min(outputs) >= 0:
+                return np.array(outputs, dtype=np.int64)
+        except IndexError:  # not on the host yet, or past a request's end: the general path says which
+            pass
     tokens = array("q")
     for req, first, count in zip(pending.reqs, pending.firsts, pending.counts):
         prompt = req.origin_input_ids
