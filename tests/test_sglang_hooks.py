@@ -186,11 +186,13 @@ def test_rows_wait_for_their_tokens_and_a_stuck_forward_stops_capture(
 
     # Forwards whose tokens never reach the host: capture stops, loudly; serving goes on.
     stuck = Req("s", [1], SamplingParams(max_new_tokens=9))
-    for position in range(1, MAX_PENDING + 2):
-        forward(stuck, ForwardMode.DECODE, [position])
     with caplog.at_level(logging.ERROR, logger="hscapture.integrations.sglang"):
-        capture.after_batch_result(None, None, nothing)
-    assert not capture.enabled and "wait for token ids" in caplog.text
+        for position in range(1, MAX_PENDING + 1):
+            forward(stuck, ForwardMode.DECODE, [position])
+            capture.after_batch_result(None, None, nothing)
+        assert capture.enabled and len(capture.pending) == MAX_PENDING
+        forward(stuck, ForwardMode.DECODE, [MAX_PENDING + 1])
+    assert not capture.enabled and "forwards wait to be announced" in caplog.text
     assert consumer.wait(60) == 0
     store = open_store(tmp_path)
     assert store.record("r")["status"] == "complete"

@@ -199,7 +199,8 @@ def _parallel() -> Any:
     return get_parallel()
 
 
-#: Forwards whose rows may wait for token ids at once; more means the host never got them.
+#: Forwards whose rows may wait for their token ids at once (SGLang's loops leave at most one);
+#: a forward beyond that stops capture: the host never got the ids, or results are not processed.
 MAX_PENDING = 4
 
 
@@ -303,6 +304,13 @@ class SGLangCapture:
             )
         if not rids:
             return
+        if len(self.pending) >= MAX_PENDING:
+            oldest = self.pending[0]
+            raise RuntimeError(
+                f"{len(self.pending)} forwards wait to be announced: the host never got their token ids, or no "
+                f"batch result was processed since (oldest: step {oldest.step.step}, requests "
+                f"{[r.rid for r in oldest.reqs][:8]})"
+            )
         states = list(aux.view(total, -1, producer.config.hidden_size).unbind(1))
         if self.settings.capture_last:
             states.append(last)
@@ -349,11 +357,6 @@ class SGLangCapture:
             pending = self.pending[0]
             tokens = _tokens(pending)
             if tokens is None:
-                if len(self.pending) > MAX_PENDING:
-                    raise RuntimeError(
-                        f"{len(self.pending)} forwards wait for token ids the scheduler never recorded "
-                        f"(oldest: step {pending.step.step}, requests {[r.rid for r in pending.reqs][:8]})"
-                    )
                 return
             self.pending.popleft()
             self.producer.announce_step(pending.step, pending.positions, tokens)
