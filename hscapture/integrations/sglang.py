@@ -245,6 +245,8 @@ class SGLangCapture:
         self.sent_upto: dict[str, int] = {}
         #: Forwards written to the ring, oldest first, not announced yet.
         self.pending: deque[_Pending] = deque()
+        #: The producer served its control socket (releases, attaches) since the last batch result.
+        self.served = False
 
     # --- hooks -------------------------------------------------------------------------
 
@@ -270,7 +272,9 @@ class SGLangCapture:
             for req in [r for r in batch.reqs if r.finished_reason is not None]:
                 if req.rid in self.sent_upto:  # ours, and not finished yet (the overlap loop shows it twice)
                     self._finish(req)
-            self.producer.poll()
+            if not self.served:  # no forward wrote since the last result: the engine may be idle
+                self.producer.poll()
+            self.served = False
         except Exception:
             log.exception("hscapture: finishing requests failed; capture is now off for this process")
             self._shut("capture failed")
@@ -317,6 +321,7 @@ class SGLangCapture:
         # Pageable memory, non_blocking: the driver stages the few bytes at once, without a sync.
         row_index = None if keep is None else torch.from_numpy(keep).to(aux.device, non_blocking=True)
         step = producer.write_step(states, rids, counts, row_index)
+        self.served = True
         if step.written:
             self.pending.append(_Pending(step, reqs, firsts, counts, positions))
 
