@@ -31,6 +31,17 @@ ALIGN = 2 << 20  # cudaMalloc granularity for IPC-friendly allocations
 HEADROOM = 256 << 20
 
 
+def _current_stream(device: torch.device) -> int:
+    """The raw handle of ``device``'s current stream, read every step: skip building a Stream object."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+#: torch's own fast path to the current stream's handle (what its compiled kernels use).
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _cupy() -> Any:
     try:
         import cupy
@@ -108,7 +119,7 @@ class CudaRing(Ring):
                 "mark_written: called inside CUDA graph capture; record the slot's event after replay "
                 "(GraphRingWriter.commit does)"
             )
-        self._runtime.eventRecord(self._events[index], torch.cuda.current_stream(self.device).cuda_stream)
+        self._runtime.eventRecord(self._events[index], _current_stream(self.device))
 
     def describe(self) -> dict[str, Any]:
         return {

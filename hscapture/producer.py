@@ -7,6 +7,12 @@ Who calls what, and how often (habit of vLLM's KV connector base class):
   ring slots (a device-to-device copy on the CUDA ring), announces each slot, returns.
   Under ``drop`` it never waits: rows without a free slot are dropped and counted exactly.
   Under ``block`` it waits for credit and loses nothing.
+* Or the same step in two calls, for an engine whose host learns the step's token ids only
+  after the forward was launched (SGLang's overlap scheduler): :meth:`Producer.write_step`
+  right after the forward (copies the rows and records each slot's event on the current
+  stream, so the copy happens before the engine overwrites its outputs), then
+  :meth:`Producer.announce_step` once with that step's positions and token ids, before any
+  of its requests is finished. Written slots stay the producer's until announced.
 * Engine thread, once per request that ends: :meth:`Producer.finish_request`.
 * Engine thread, when idle (optional): :meth:`Producer.poll` answers a consumer that
   attaches while no step runs.
@@ -49,6 +55,7 @@ log = logging.getLogger(__name__)
 
 #: How long one wait for credit or a consumer polls before checking its deadline again.
 _POLL_MS = 20
+_POLLIN = int(zmq.POLLIN)
 #: The attached consumer counts as gone after this many of its heartbeats of silence (and at least
 #: _TAKEOVER_MIN_S), or at once when its process has ended on this host; only then may another take over.
 _TAKEOVER_BEATS = 10
@@ -75,6 +82,26 @@ class ProducerCounters:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass
+class WrittenStep:
+    """One step's rows copied into ring slots, each slot's event recorded, not announced yet.
+
+    Made by :meth:`Producer.write_step`; handed back once to :meth:`Producer.announce_step`.
+    """
+
+    #: The producer's step number when the rows were written.
+    step: int
+    #: Kept rows of the step (what ``positions`` and ``token_ids`` cover at announce time).
+    rows: int
+    #: Kept rows copied into the ring: the first ``written``; the rest were dropped and counted.
+    written: int
+    request_ids: Sequence[str]
+    #: Consecutive kept rows each of ``request_ids`` owns.
+    request_rows: Sequence[int]
+    #: ``(slot, first kept row, rows)`` of each slot written, in row order; emptied when announced.
+    slots: list[tuple[int, int, int]]
 
 
 @dataclass
@@ -122,6 +149,7 @@ class Producer:
         self.token = config.token or (secrets.token_hex(16) if config.endpoint.startswith("ipc://") else "")
         self.counters = ProducerCounters()
         self._descriptions = list(tensor_descriptions)
+        self._num_tensors, self._dtype = config.num_tensors, config.torch_dtype  # read every step
         self._meta = {"config": config.to_dict(), **(meta or {})}
         self._sockets = ProducerSockets(config.endpoint, config.keys)  # refuses an untrusted directory before the ring
         try:
@@ -135,6 +163,7 @@ class Producer:
         self._slots = [self.ring.slot(i).view(config.torch_dtype) for i in range(config.num_slots)]
         self._free: deque[int] = deque(range(config.num_slots))
         self._in_flight: dict[int, _InFlight] = {}
+        self._written: dict[int, int] = {}  # slot -> rows written by write_step, not announced yet
         self._seq = itertools.count(1)
         self._request_drops: dict[str, int] = {}
         self._consumer_id: str | None = None  # attached: it confirmed our layout
@@ -175,39 +204,130 @@ class Producer:
                 ``[N, hidden]`` in ``config.dtype``; all on one device.
             request_ids: the requests owning the kept rows, in row order.
             request_rows: how many consecutive kept rows each request owns.
-            positions: ``[R]`` int position of each kept row in its request.
-            token_ids: ``[R]`` int token id of each kept row.
+            positions: ``[R]`` int position of each kept row in its request (host values: a
+                list, numpy array or CPU tensor; reading a device tensor would synchronize).
+            token_ids: ``[R]`` int token id of each kept row (host values).
             row_index: ``[R]`` int64 indices into the ``N`` rows of ``states`` to keep (drops
-                padding); ``None`` keeps all ``N`` rows in order.
+                padding), on the states' device; ``None`` keeps all ``N`` rows in order.
 
         Raises:
-            ValueError: shapes, dtypes or counts do not match what was planned.
+            ValueError: shapes, dtypes or counts do not match what was planned, or positions or
+                token ids are on a device.
             CreditTimeout: ``block`` waited longer than ``block_timeout_s``.
         """
         self._check_open()
-        config = self.config
         rows = self._check_step(states, request_ids, request_rows, row_index)
         positions = _as_int64(positions, rows, "positions")
         token_ids = _as_int64(token_ids, rows, "token_ids")
+        step = self._write_step(states, request_ids, request_rows, row_index, rows)
+        return self._announce_step(step, positions, token_ids)
+
+    def write_step(
+        self,
+        states: Sequence[torch.Tensor],
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        row_index: torch.Tensor | None = None,
+    ) -> WrittenStep:
+        """Copy one forward step's rows into ring slots now; announce them later.
+
+        Each slot's event is recorded on the current stream right after its copy is queued
+        there, so the copy is ordered before whatever the engine queues next (a graph replay
+        that overwrites its outputs). Nothing is sent: the slots stay this producer's until
+        :meth:`announce_step`. Under ``drop`` rows without a free slot are dropped and counted
+        here; under ``block`` it waits for credit.
+
+        Args:
+            states, request_ids, request_rows, row_index: as for :meth:`capture_step`.
+
+        Returns:
+            The written step, for :meth:`announce_step`.
+
+        Raises:
+            ValueError: shapes, dtypes or counts do not match what was planned; or every slot
+                holds rows written and not announced (announce them, or raise ``ring_bytes``).
+            CreditTimeout: ``block`` waited longer than ``block_timeout_s``.
+        """
+        self._check_open()
+        rows = self._check_step(states, request_ids, request_rows, row_index)
+        return self._write_step(states, request_ids, request_rows, row_index, rows)
+
+    def announce_step(
+        self,
+        step: WrittenStep,
+        positions: np.ndarray | torch.Tensor | Sequence[int],
+        token_ids: np.ndarray | torch.Tensor | Sequence[int],
+    ) -> int:
+        """Announce a step made by :meth:`write_step`; returns how many rows were announced.
+
+        Call it once per written step, in the order the steps were written, and before
+        :meth:`finish_request` of any request that owns rows in it.
+
+        Args:
+            step: what :meth:`write_step` returned.
+            positions: ``[step.rows]`` int position of each kept row (host values).
+            token_ids: ``[step.rows]`` int token id of each kept row (host values).
+
+        Raises:
+            ValueError: the step was announced already; or the lengths do not match it, or the
+                values are on a device (then its slots are freed and its rows counted dropped).
+        """
+        self._check_open()
+        if step.written and not step.slots:
+            raise ValueError(f"announce_step: step {step.step} was announced already")
+        try:
+            positions = _as_int64(positions, step.rows, "positions")
+            token_ids = _as_int64(token_ids, step.rows, "token_ids")
+        except ValueError:
+            self._unwrite(step, 0)
+            raise
+        return self._announce_step(step, positions, token_ids)
+
+    def _write_step(
+        self,
+        states: Sequence[torch.Tensor],
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        row_index: torch.Tensor | None,
+        rows: int,
+    ) -> WrittenStep:
+        config = self.config
         self.counters.steps += 1
         self._drain_control()
-        starts = list(itertools.accumulate(request_rows, initial=0))
+        slots: list[tuple[int, int, int]] = []
         begin = 0
         while begin < rows:
             count = min(config.rows_per_slot, rows - begin)
             slot = self._acquire_slot()
             if slot is None:
-                self._count_drop(request_ids, starts, begin, rows)
+                self._count_drop(request_ids, request_rows, begin, rows)
                 break
             self._write(slot, states, row_index, begin, count)
-            ids, counts = _spans(request_ids, starts, begin, begin + count)
-            if not self.announce_written(
-                slot, count, 0, ids, counts, positions[begin : begin + count], token_ids[begin : begin + count]
-            ):
-                self._count_drop(request_ids, starts, begin, rows)
-                break
+            self.ring.mark_written(slot)
+            self._written[slot] = count
+            slots.append((slot, begin, count))
             begin += count
-        return begin
+        return WrittenStep(self.counters.steps, rows, begin, request_ids, request_rows, slots)
+
+    def _announce_step(self, step: WrittenStep, positions: np.ndarray, token_ids: np.ndarray) -> int:
+        for done, (slot, begin, count) in enumerate(step.slots):
+            ids, counts = _spans(step.request_ids, step.request_rows, begin, begin + count)
+            end = begin + count
+            if not self._send_chunk(slot, count, 0, ids, counts, positions[begin:end], token_ids[begin:end], step.step):
+                self._unwrite(step, done)
+                return begin
+            del self._written[slot]
+        step.slots = []
+        return step.written
+
+    def _unwrite(self, step: WrittenStep, first: int) -> None:
+        """Free the slots of ``step`` from ``step.slots[first]`` on and count their rows dropped."""
+        slots, step.slots = step.slots, []
+        for slot, _, _ in slots[first:]:
+            del self._written[slot]
+            self._free.appendleft(slot)
+        if first < len(slots):
+            self._count_drop(step.request_ids, step.request_rows, slots[first][1], step.written)
 
     def announce_written(
         self,
@@ -219,18 +339,37 @@ class Producer:
         positions: np.ndarray,
         token_ids: np.ndarray,
     ) -> bool:
-        """Announce a slot already written (by :meth:`capture_step` or a graph replay).
+        """Announce a slot a graph replay wrote (see :class:`~hscapture.graph.GraphRingWriter`).
 
         The slot's event is recorded here, on the current stream, after the writes queued
         there. Returns False when ``drop`` could not send (the slot is free again).
         """
         self.ring.mark_written(slot)
+        if self._send_chunk(
+            slot, rows, row_stride, request_ids, request_rows, positions, token_ids, self.counters.steps
+        ):
+            return True
+        self._free.appendleft(slot)
+        return False
+
+    def _send_chunk(
+        self,
+        slot: int,
+        rows: int,
+        row_stride: int,
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        positions: np.ndarray,
+        token_ids: np.ndarray,
+        step: int,
+    ) -> bool:
+        """Send the chunk of a written slot whose event is recorded; False if ``drop`` could not send it."""
         config = self.config
         seq = next(self._seq)
         chunk = protocol.Chunk(
             v=protocol.PROTOCOL_VERSION,
             seq=seq,
-            step=self.counters.steps,
+            step=step,
             slot=slot,
             offset=slot * config.slot_bytes,
             nbytes=(row_stride or rows) * config.row_bytes,
@@ -245,7 +384,6 @@ class Producer:
         )
         payload = protocol.encode(chunk)
         if not self._send(payload):
-            self._free.appendleft(slot)
             return False
         self._in_flight[slot] = _InFlight(seq, rows, payload)
         self.counters.rows_captured += rows
@@ -266,8 +404,7 @@ class Producer:
 
     def count_dropped(self, request_ids: Sequence[str], request_rows: Sequence[int]) -> None:
         """Count rows that were computed but not captured (no credit under ``drop``)."""
-        starts = list(itertools.accumulate(request_rows, initial=0))
-        self._count_drop(request_ids, starts, 0, starts[-1])
+        self._count_drop(request_ids, request_rows, 0, sum(request_rows))
 
     def finish_request(
         self,
@@ -313,6 +450,10 @@ class Producer:
         """
         if self._closed:
             return self.counters
+        if self._written:  # written by write_step, never announced: the consumer cannot have them
+            self.counters.rows_dropped += sum(self._written.values())
+            self.counters.chunks_dropped += len(self._written)
+            self._written.clear()
         try:
             eos = protocol.EndOfStream(
                 v=protocol.PROTOCOL_VERSION, run_id=self.run_id, counters=self.counters.to_dict()
@@ -359,18 +500,19 @@ class Producer:
         row_index: torch.Tensor | None,
     ) -> int:
         config = self.config
-        if len(states) != config.num_tensors:
+        if len(states) != self._num_tensors:
             raise ValueError(f"states: planned {config.num_tensors} tensors {config.tensor_names}, got {len(states)}")
         first = states[0]
-        for name, state in zip(config.tensor_names, states):
-            if state.dim() != 2 or state.shape[1] != config.hidden_size or state.shape[0] != first.shape[0]:
+        planned, dtype = (first.shape[0], config.hidden_size), self._dtype
+        for i, state in enumerate(states):  # the names only when something is wrong: building them costs
+            if state.shape != planned:
+                raise ValueError(f"states[{config.tensor_names[i]}]: planned {list(planned)}, got {list(state.shape)}")
+            if state.dtype != dtype:
                 raise ValueError(
-                    f"states[{name}]: planned [{first.shape[0]}, {config.hidden_size}], got {list(state.shape)}"
+                    f"states[{config.tensor_names[i]}]: planned dtype {config.dtype}, got {dtype_name(state.dtype)}"
                 )
-            if state.dtype != config.torch_dtype:
-                raise ValueError(f"states[{name}]: planned dtype {config.dtype}, got {dtype_name(state.dtype)}")
         rows = first.shape[0] if row_index is None else row_index.numel()
-        if any(n <= 0 for n in request_rows):
+        if request_rows and min(request_rows) <= 0:
             raise ValueError(f"request_rows: every request owns at least one row, got {list(request_rows)[:16]}")
         if len(request_ids) != len(request_rows) or sum(request_rows) != rows:
             raise ValueError(
@@ -393,10 +535,11 @@ class Producer:
         count: int,
     ) -> None:
         config = self.config
-        dst = self._slots[slot][: count * config.num_tensors * config.hidden_size]
-        dst = dst.view(config.num_tensors, count, config.hidden_size)
+        dst = self._slots[slot][: count * self._num_tensors * config.hidden_size]
+        dst = dst.view(self._num_tensors, count, config.hidden_size)
         if row_index is None:  # one launch for all tensors, not one copy each
-            torch.stack([state[begin : begin + count] for state in states], out=dst)
+            whole = begin == 0 and count == states[0].shape[0]  # the usual step: no slicing
+            torch.stack(states if whole else [state[begin : begin + count] for state in states], out=dst)
         else:
             index = row_index[begin : begin + count]
             for i, state in enumerate(states):
@@ -407,6 +550,11 @@ class Producer:
             return self._free.popleft()
         if self.config.policy == "drop":
             return None
+        if not self._free and not self._in_flight:  # no release can come: waiting would never end
+            raise ValueError(
+                f"ring: all {self.config.num_slots} slots hold rows written and not announced yet (or are "
+                "reserved); announce written steps before writing more, or raise ring_bytes"
+            )
         self._wait_until(lambda: bool(self._free) and self._consumer_id is not None, "a free ring slot")
         return self._free.popleft()
 
@@ -451,8 +599,9 @@ class Producer:
             self._drain_control()
 
     def _drain_control(self) -> None:
-        # Asking for EVENTS is far cheaper than a recv that raises zmq.Again on every step.
-        while self._release.get(zmq.EVENTS) & zmq.POLLIN:
+        # Asking for EVENTS is far cheaper than a recv that raises zmq.Again on every step; the
+        # flag is a plain int here (zmq.POLLIN is an IntFlag, whose `&` runs in Python).
+        while self._release.get(zmq.EVENTS) & _POLLIN:
             try:
                 data = self._release.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -574,10 +723,10 @@ class Producer:
                 self._consumer_id = None  # gone again mid-way; its successor's hello starts over
                 break
 
-    def _count_drop(self, request_ids: Sequence[str], starts: list[int], begin: int, end: int) -> None:
+    def _count_drop(self, request_ids: Sequence[str], request_rows: Sequence[int], begin: int, end: int) -> None:
         self.counters.rows_dropped += end - begin
         self.counters.chunks_dropped += -(-(end - begin) // self.config.rows_per_slot)
-        ids, counts = _spans(request_ids, starts, begin, end)
+        ids, counts = _spans(request_ids, request_rows, begin, end)
         for request_id, count in zip(ids, counts):
             self._request_drops[request_id] = self._request_drops.get(request_id, 0) + count
 
@@ -592,6 +741,18 @@ class NullProducer:
     attached = False
 
     def capture_step(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def write_step(
+        self,
+        states: Sequence[torch.Tensor],
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        row_index: torch.Tensor | None = None,
+    ) -> WrittenStep:
+        return WrittenStep(0, sum(request_rows), 0, request_ids, request_rows, [])
+
+    def announce_step(self, *args: Any, **kwargs: Any) -> int:
         return 0
 
     def finish_request(self, *args: Any, **kwargs: Any) -> None:
@@ -610,10 +771,13 @@ class NullProducer:
         return None
 
 
-def _spans(request_ids: Sequence[str], starts: list[int], begin: int, end: int) -> tuple[list[str], list[int]]:
-    """Request ids and row counts covering kept rows ``[begin, end)``; ``starts`` are cumulative."""
-    if begin == 0 and end == starts[-1]:  # the whole step in one chunk: the usual decode case
-        return list(request_ids), [b - a for a, b in itertools.pairwise(starts)]
+def _spans(
+    request_ids: Sequence[str], request_rows: Sequence[int], begin: int, end: int
+) -> tuple[list[str], list[int]]:
+    """Request ids and row counts covering kept rows ``[begin, end)`` of a step."""
+    if begin == 0 and end == sum(request_rows):  # the whole step in one chunk: the usual decode case
+        return list(request_ids), list(request_rows)
+    starts = list(itertools.accumulate(request_rows, initial=0))
     first = bisect.bisect_right(starts, begin) - 1
     ids: list[str] = []
     counts: list[int] = []
@@ -629,7 +793,12 @@ def _spans(request_ids: Sequence[str], starts: list[int], begin: int, end: int) 
 
 def _as_int64(values: np.ndarray | torch.Tensor | Sequence[int], rows: int, name: str) -> np.ndarray:
     if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
+        if values.device.type != "cpu":
+            raise ValueError(
+                f"{name}: a tensor on {values.device}; reading it here would make the host wait for the device "
+                "every step. Pass host values (a list, numpy array or CPU tensor) the engine already holds"
+            )
+        values = values.detach().numpy()
     array = np.asarray(values, dtype=np.int64).reshape(-1)
     if array.shape[0] != rows:
         raise ValueError(f"{name}: planned {rows} values (one per kept row), got {array.shape[0]}")

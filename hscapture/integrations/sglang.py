@@ -10,14 +10,24 @@ settings; then it registers three hooks through SGLang's ``HookRegistry`` (no so
   (``logits_output.hidden_states``) and the post-norm last layer (``.last_hidden_states``),
   inside CUDA graphs too; after a graph replay both are views the next replay overwrites, so
   the producer copies them into its ring at once (a device copy, no host sync).
-* AFTER ``Scheduler.process_batch_result``: requests that finished, aborted or were retracted.
+* AFTER ``Scheduler.process_batch_result``: announces the rows whose token ids the host now
+  holds, then ends the requests that finished or were aborted (with their retraction count).
 * AROUND ``Scheduler.handle_rpc_request``: ``Engine.collective_rpc(CLOSE_RPC)`` closes the
   producer cleanly (end of stream) before an offline engine shuts down.
 
-Rows are attributed from the ``ScheduleBatch``: extend and mixed batches hold contiguous
-blocks of ``extend_lens[i]`` rows at positions ``prefix_lens[i] + j``; decode batches one row
-per request at ``seq_lens[i] - 1``. Token ids are the batch's own ``input_ids``. A position a
-request already sent (re-prefill after a retraction) is not sent again.
+Rows are attributed from the ``ScheduleBatch``'s host-side lengths: extend and mixed batches
+hold contiguous blocks of ``extend_lens[i]`` rows at positions ``prefix_lens[i] + j``; decode
+batches one row per request at ``seq_lens_cpu[i] - 1``. A position a request already sent
+(re-prefill after a retraction) is not sent again.
+
+No hook reads a device tensor on the host. Under SGLang's overlap scheduler (on by default on
+GPUs) a decode step's input tokens are still on the device when its forward is launched, so
+the forward hook copies the rows into the ring at once (``Producer.write_step``, on the forward
+stream) and the rows are announced (``Producer.announce_step``) from a later
+``process_batch_result`` hook, as soon as each request's host copy (``origin_input_ids`` +
+``output_ids``) holds their token ids: under overlap that is the result of the step before,
+processed right after this forward was launched. A request is finished only after every row
+of it is announced.
 """
 
 from __future__ import annotations
@@ -28,14 +38,20 @@ import json
 import logging
 import os
 import subprocess
+from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
 from hscapture.config import CaptureConfig, MiB, dtype_name
+
+if TYPE_CHECKING:
+    from hscapture.producer import WrittenStep
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +199,41 @@ def _parallel() -> Any:
     return get_parallel()
 
 
+#: Forwards whose rows may wait for their token ids at once (SGLang's loops leave at most one);
+#: a forward beyond that stops capture: the host never got the ids, or results are not processed.
+MAX_PENDING = 4
+
+
+class _Rows(NamedTuple):
+    """A batch's rows as the host sees them: per kept block of rows, then per kept row."""
+
+    rids: list[str]
+    reqs: list[Any]
+    #: First position of each block, and its rows.
+    firsts: list[int]
+    counts: list[int]
+    #: ``[R]`` int64 position of each kept row.
+    positions: np.ndarray
+    #: ``[R]`` int64 index of each kept row among the batch's rows; None when all are kept.
+    keep: np.ndarray | None
+    #: Rows in the batch (kept or not).
+    total: int
+
+
+@dataclass
+class _Pending:
+    """One forward's rows, copied into the ring already, waiting for the host to hold their token ids."""
+
+    step: WrittenStep
+    #: The request owning each block of kept rows, in row order.
+    reqs: list[Any]
+    #: First position of each block, and its rows.
+    firsts: list[int]
+    counts: list[int]
+    #: ``[R]`` int64 position of every kept row.
+    positions: np.ndarray
+
+
 class SGLangCapture:
     """Per scheduler process: turns SGLang batches into ``Producer`` calls."""
 
@@ -192,7 +243,10 @@ class SGLangCapture:
         self.enabled = True
         #: Next position each running request has not sent yet (skips re-prefilled rows).
         self.sent_upto: dict[str, int] = {}
-        self.retractions: dict[str, int] = {}
+        #: Forwards written to the ring, oldest first, not announced yet.
+        self.pending: deque[_Pending] = deque()
+        #: The producer served its control socket (releases, attaches) since the last batch result.
+        self.served = False
 
     # --- hooks -------------------------------------------------------------------------
 
@@ -212,14 +266,15 @@ class SGLangCapture:
         if self.producer is None or not self.enabled:
             return
         try:
-            for req in batch.reqs:
-                if req.rid not in self.sent_upto:
-                    continue
-                if req.is_retracted:
-                    self.retractions[req.rid] = req.retraction_count
-                elif req.finished():
+            if self.pending:
+                self._announce_ready()
+            # finished_reason is what Req.finished() reads; the attribute saves a call per request.
+            for req in [r for r in batch.reqs if r.finished_reason is not None]:
+                if req.rid in self.sent_upto:  # ours, and not finished yet (the overlap loop shows it twice)
                     self._finish(req)
-            self.producer.poll()
+            if not self.served:  # no forward wrote since the last result: the engine may be idle
+                self.producer.poll()
+            self.served = False
         except Exception:
             log.exception("hscapture: finishing requests failed; capture is now off for this process")
             self._shut("capture failed")
@@ -235,6 +290,7 @@ class SGLangCapture:
     # --- work ---------------------------------------------------------------------------
 
     def _capture(self, worker: Any, batch: Any, output: Any) -> None:
+        """Copy the batch's rows into the ring now (host metadata only); announce them later."""
         aux, last = output.hidden_states, output.last_hidden_states
         if aux is None:
             raise RuntimeError(
@@ -244,54 +300,78 @@ class SGLangCapture:
         producer = self.producer if self.producer is not None else self._start(worker, aux, last)
         if producer is None:
             return
-        rids, counts, positions, keep = self._rows(batch)
-        states = list(aux.view(aux.shape[0], -1, self.hidden).unbind(1))
-        if self.settings.capture_last:
-            states.append(last)
-        rows = sum(counts)
-        if aux.shape[0] != sum(len(p) for p in positions):
+        rids, reqs, firsts, counts, positions, keep, total = self._rows(batch)
+        if aux.shape[0] != total:
             raise RuntimeError(
                 f"batch of {len(batch.reqs)} requests ({batch.forward_mode.name}) has "
-                f"{sum(len(p) for p in positions)} tokens but SGLang returned {aux.shape[0]} hidden-state rows"
+                f"{total} tokens but SGLang returned {aux.shape[0]} hidden-state rows"
             )
-        if rows == 0:
+        if not rids:
             return
-        tokens = batch.input_ids
-        flat_positions = torch.cat([torch.as_tensor(p, dtype=torch.int64) for p in positions])
-        row_index = None
-        if keep is not None:
-            row_index = torch.as_tensor(keep, dtype=torch.int64)
-            flat_positions, tokens = flat_positions[row_index], tokens[row_index.to(tokens.device)]
-            row_index = row_index.to(aux.device, non_blocking=True)
-        producer.capture_step(states, rids, counts, flat_positions, tokens, row_index=row_index)
+        if len(self.pending) >= MAX_PENDING:
+            oldest = self.pending[0]
+            raise RuntimeError(
+                f"{len(self.pending)} forwards wait to be announced: the host never got their token ids, or no "
+                f"batch result was processed since (oldest: step {oldest.step.step}, requests "
+                f"{[r.rid for r in oldest.reqs][:8]})"
+            )
+        states = list(aux.view(total, -1, producer.config.hidden_size).unbind(1))
+        if self.settings.capture_last:
+            states.append(last)
+        # Pageable memory, non_blocking: the driver stages the few bytes at once, without a sync.
+        row_index = None if keep is None else torch.from_numpy(keep).to(aux.device, non_blocking=True)
+        step = producer.write_step(states, rids, counts, row_index)
+        self.served = True
+        if step.written:
+            self.pending.append(_Pending(step, reqs, firsts, counts, positions))
 
-    def _rows(self, batch: Any) -> tuple[list[str], list[int], list[list[int]], list[int] | None]:
-        """Owners, kept-row counts, per-request positions and (if any row is skipped) kept indices."""
-        if batch.forward_mode.is_decode():
-            starts = [int(n) - 1 for n in batch.seq_lens_cpu.tolist()]
-            lengths = [1] * len(batch.reqs)
-        else:
-            starts, lengths = list(batch.prefix_lens), list(batch.extend_lens)
-        rids, counts, positions, keep = [], [], [], []
-        skipped, at = False, 0
-        for req, start, length in zip(batch.reqs, starts, lengths):
-            span = list(range(start, start + length))
-            upto = self.sent_upto.get(req.rid, 0)
-            fresh = [i for i, p in enumerate(span) if p >= upto]
-            positions.append(span)
-            if len(fresh) != length:
-                skipped = True
-            if fresh:
-                rids.append(req.rid)
-                counts.append(len(fresh))
-                keep.extend(at + i for i in fresh)
-                self.sent_upto[req.rid] = start + length
-            else:
-                self.sent_upto.setdefault(req.rid, upto)
-            at += length
-        return rids, counts, positions, keep if skipped else None
+    def _rows(self, batch: Any) -> _Rows:
+        """Which rows of the batch to keep and whose they are, from host-side lengths only."""
+        reqs = list(batch.reqs)
+        sent = self.sent_upto
+        if batch.forward_mode.is_decode():  # one fresh row per request: nothing is ever skipped
+            if batch.seq_lens_cpu is None:
+                raise RuntimeError("SGLang gave a decode batch without seq_lens_cpu; cannot place its rows")
+            positions = batch.seq_lens_cpu.numpy().astype(np.int64, copy=False) - 1
+            rids = [req.rid for req in reqs]
+            firsts = positions.tolist()
+            sent.update(zip(rids, [p + 1 for p in firsts]))
+            return _Rows(rids, reqs, firsts, [1] * len(reqs), positions, None, len(reqs))
+        starts = np.asarray(batch.prefix_lens, dtype=np.int64)
+        lengths = np.asarray(batch.extend_lens, dtype=np.int64)
+        total = int(lengths.sum())
+        ends = starts + lengths
+        positions = np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+        all_rids = [req.rid for req in reqs]
+        upto = np.fromiter((sent.get(rid, 0) for rid in all_rids), np.int64, len(all_rids))
+        sent.update(zip(all_rids, np.maximum(ends, upto).tolist()))
+        firsts = np.maximum(starts, upto)
+        counts = np.maximum(ends - firsts, 0)
+        kept = np.flatnonzero(counts)
+        keep = None
+        if len(kept) != len(reqs) or (counts[kept] != lengths[kept]).any():
+            keep = np.flatnonzero(positions >= np.repeat(upto, lengths))
+            positions = positions[keep]
+        rids = [all_rids[i] for i in kept] if keep is not None else all_rids
+        reqs = [reqs[i] for i in kept] if keep is not None else reqs
+        return _Rows(rids, reqs, firsts[kept].tolist(), counts[kept].tolist(), positions, keep, total)
+
+    def _announce_ready(self) -> None:
+        """Announce, oldest first, every written forward whose token ids the host now holds."""
+        while self.pending:
+            pending = self.pending[0]
+            tokens = _tokens(pending)
+            if tokens is None:
+                return
+            self.pending.popleft()
+            self.producer.announce_step(pending.step, pending.positions, tokens)
 
     def _finish(self, req: Any) -> None:
+        if any(r is req for pending in self.pending for r in pending.reqs):
+            raise RuntimeError(
+                f"request {req.rid} ended while rows of it wait for token ids the host does not hold; "
+                "they cannot be announced before its end"
+            )
         num_tokens = len(req.origin_input_ids) + len(req.output_ids) - 1
         reason = "aborted" if type(req.finished_reason).__name__ == "FINISH_ABORT" else "finished"
         params = getattr(req.sampling_params, "custom_params", None) or {}
@@ -307,7 +387,7 @@ class SGLangCapture:
             "prompt_tokens": len(req.origin_input_ids),
             "output_tokens": len(req.output_ids),
             "finish_reason": finish,
-            "retractions": self.retractions.pop(req.rid, 0),
+            "retractions": req.retraction_count,
         }
         self.producer.finish_request(req.rid, reason, num_tokens=num_tokens, loss_mask=loss_mask, meta=meta)
         self.sent_upto.pop(req.rid, None)
@@ -373,6 +453,42 @@ class SGLangCapture:
                 producer.close()
             except Exception:
                 log.exception("hscapture: closing the producer (%s) failed", why)
+
+
+def _tokens(pending: _Pending) -> np.ndarray | None:
+    """``[R]`` int64 token ids of a written forward's kept rows, from each request's host copy.
+
+    A request's token at position ``p`` is ``(origin_input_ids + output_ids)[p]``. Returns None
+    while some row's token is not on the host yet (its step's result is not processed). A row
+    past the end of a request that ended (the overlap scheduler's step after a finish, or an
+    output SGLang discarded) gets -1; the store cuts such rows (``surplus_rows``).
+    """
+    if len(pending.reqs) == len(pending.positions):  # one row per request (decode): its token is an output
+        try:
+            outputs = [
+                r.output_ids[k] if (k := p - len(r.origin_input_ids)) >= 0 else -1
+                for r, p in zip(pending.reqs, pending.firsts)
+            ]
+            if min(outputs) >= 0:
+                return np.array(outputs, dtype=np.int64)
+        except IndexError:  # not on the host yet, or past a request's end: the general path says which
+            pass
+    tokens = array("q")
+    for req, first, count in zip(pending.reqs, pending.firsts, pending.counts):
+        prompt = req.origin_input_ids
+        n = len(prompt)
+        if first >= n:
+            part = req.output_ids[first - n : first - n + count]
+        elif first + count <= n:
+            part = prompt[first : first + count]
+        else:
+            part = [*prompt[first:], *req.output_ids[: first + count - n]]
+        if len(part) < count:
+            if req.finished_reason is None and not req.is_retracted:
+                return None
+            part = [*part, *[-1] * (count - len(part))]
+        tokens.extend(part)
+    return np.frombuffer(tokens, dtype=np.int64)
 
 
 def describe(captured: Sequence[int], capture_last: bool) -> list[str]:

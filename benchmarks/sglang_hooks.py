@@ -1,0 +1,284 @@
+"""The SGLang plugin's host time per decode step, after ~1.4 ms of queued GPU work, against the old hook.
+
+    python -m benchmarks.sglang_hooks                                   # GPU host: batch 1,16,64,256, 4096 bf16
+    python -m benchmarks.sglang_hooks --device cpu --hidden 64 --batches 1,16,64   # a smoke run anywhere
+
+The plugin's real hooks (``SGLangCapture.after_forward`` and ``after_batch_result``) are driven
+by the stand-in scheduler of ``benchmarks/sglang_standin.py`` in SGLang's overlap order: each
+forward queues ``--queued-ms`` of GPU work (``torch.cuda._sleep``) before its outputs, as a
+decode step of a large model does, then the forward hook runs on the forward stream; then the
+previous step's result is processed and ``after_batch_result`` runs. Captured: 3 aux layers and
+the last layer (``--hidden`` wide, bf16), drop policy, a ``--discard`` consumer process attached.
+On a CPU (``--device cpu``, host ring) each step instead sleeps ``--queued-ms`` outside the
+hooks, so the consumer keeps up; only the GPU run measures what the goal is about.
+Two variants, batch size by batch size, alternating, with the same producer and consumer:
+
+* ``deferred`` (the plugin): ``after_forward`` copies the rows into the ring and records the
+  slot's event (``Producer.write_step``); ``after_batch_result`` announces them with token ids
+  from each request's host copy (``Producer.announce_step``).
+* ``sync`` (the hook before that change): the same rows announced at once by ``capture_step``,
+  token ids read from the batch's device ``input_ids`` (``.cpu()``: the host waits for the
+  forward). Its row bookkeeping is the new one, so it is a lower bound of the old hook's cost.
+
+Reported per batch size and variant: host µs per decode step in the hooks (``after_forward``
+plus ``after_batch_result`` of one loop turn; median and p90 over ``--steps`` steps, warm-up
+excluded, no synchronize inside the timed region), each hook's median, host-device syncs per
+step (counted under ``torch.cuda.set_sync_debug_mode("warn")`` over a few untimed steps), and
+rows dropped; then a cProfile of ``deferred``'s hooks at batch 64 (untimed steps), so the next
+optimisation starts from a measurement. The goal: ``deferred`` at batch 64 takes at most 40 µs
+per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.sglang_standin import FINISH_ABORT, ForwardMode, OverlapScheduler, Plan, capture_with_producer
+from hscapture.config import SLOT_ALIGN, CaptureConfig
+from hscapture.consumer import consume_command
+from hscapture.integrations.sglang import SGLangCapture
+
+RESULTS = Path(__file__).parent / "results"
+LAYERS = (2, 16, 29)
+PROMPT_TOKENS = 4
+GOAL_US = 40.0
+GOAL_BATCH = 64
+
+
+class SyncCapture(SGLangCapture):
+    """The forward hook as it was: token ids read from the device at once, rows announced at once."""
+
+    def _capture(self, worker: Any, batch: Any, output: Any) -> None:
+        rows = self._rows(batch)
+        aux, hidden = output.hidden_states, self.producer.config.hidden_size
+        states = [*aux.view(rows.total, -1, hidden).unbind(1), output.last_hidden_states]
+        tokens = batch.input_ids.cpu()  # what Producer.capture_step did with a device tensor: waits
+        self.producer.capture_step(states, rows.rids, rows.counts, rows.positions, tokens)
+
+
+def _git_head() -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers separated by commas, e.g. 1,16,64") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+class _Clock:
+    """Wraps each hook call: adds its host time to the current loop turn, or counts its syncs."""
+
+    def __init__(self) -> None:
+        self.turn = {"after_forward": 0, "after_batch_result": 0}
+        self.count_syncs = False
+        self.syncs = 0
+        self.profile: cProfile.Profile | None = None
+
+    def __call__(self, name: str, call: Callable[[], None]) -> None:
+        if self.profile is not None:
+            self.profile.enable()
+            call()
+            self.profile.disable()
+            return
+        if self.count_syncs:
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                call()
+            torch.cuda.set_sync_debug_mode("default")
+            self.syncs += sum("synchroniz" in str(w.message) for w in caught)
+            return
+        started = time.perf_counter_ns()
+        call()
+        self.turn[name] += time.perf_counter_ns() - started
+
+    def take(self) -> tuple[int, int]:
+        turn = self.turn["after_forward"], self.turn["after_batch_result"]
+        self.turn = dict.fromkeys(self.turn, 0)
+        return turn
+
+
+def measure(
+    capture: SGLangCapture, batch: int, args: argparse.Namespace, first: int, profile: bool = False
+) -> dict[str, Any]:
+    """Decode ``batch`` requests with ``capture``'s hooks; host time per decode step."""
+    clock = _Clock()
+    profile_steps = args.steps if profile else 0
+    total_steps = args.warmup + args.sync_steps + args.steps + profile_steps
+    plans = [
+        Plan(f"b{batch}-{first + i}", [1 + (first + i + j) % 900 for j in range(PROMPT_TOKENS)], total_steps + 8)
+        for i in range(batch)
+    ]
+    scheduler = OverlapScheduler(
+        capture,
+        plans,
+        device=args.device,
+        hidden=args.hidden,
+        num_aux=len(LAYERS),
+        dtype=torch.bfloat16,
+        chunk_size=args.chunk,
+        mixed=False,
+        queued_gpu_s=args.queued_ms / 1e3 if args.device == "cuda" else 0.0,
+        hook=clock,
+    )
+    dropped_before = capture.producer.counters.rows_dropped
+    forward_us, result_us, decode_steps = [], [], 0
+    while decode_steps < total_steps:
+        launched = len(scheduler.modes)
+        scheduler.step()
+        if args.device == "cpu":  # no GPU to keep busy: the step's time passes on the host, untimed
+            time.sleep(args.queued_ms / 1e3)
+        turn = clock.take()
+        if len(scheduler.modes) == launched or scheduler.modes[-1] != ForwardMode.DECODE:
+            continue  # prefill, or a turn without a forward
+        decode_steps += 1
+        clock.count_syncs = args.device == "cuda" and args.warmup <= decode_steps < args.warmup + args.sync_steps
+        timed = decode_steps - args.warmup - args.sync_steps
+        if 0 < timed <= args.steps:
+            forward_us.append(turn[0] / 1e3)
+            result_us.append(turn[1] / 1e3)
+        if timed == args.steps and profile:
+            clock.profile = cProfile.Profile()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    for req in scheduler.reqs.values():  # end them, untimed: the rows of the last steps are announced
+        req.finished_reason = req.finished_reason or FINISH_ABORT("benchmark over")
+    scheduler.step()
+    scheduler.step()
+    totals = [f + r for f, r in zip(forward_us, result_us)]
+    top = []
+    if clock.profile is not None:
+        text = io.StringIO()
+        pstats.Stats(clock.profile, stream=text).sort_stats("tottime").print_stats(15)
+        top = [line for line in text.getvalue().splitlines() if line.strip()][:24]
+    return {
+        "median_us": round(statistics.median(totals), 1),
+        "p90_us": round(float(np.percentile(totals, 90)), 1),
+        "after_forward_median_us": round(statistics.median(forward_us), 1),
+        "after_batch_result_median_us": round(statistics.median(result_us), 1),
+        "syncs_per_step": round(clock.syncs / args.sync_steps, 2) if args.device == "cuda" else None,
+        "rows_dropped": capture.producer.counters.rows_dropped - dropped_before,
+        "steps": len(totals),
+        **({"profile_top": top} if top else {}),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", type=_ints, default=(1, 16, 64, 256))
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=300, help="timed decode steps per batch size and variant")
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--sync-steps", type=int, default=10, help="untimed steps counting syncs (GPU)")
+    parser.add_argument(
+        "--queued-ms", type=float, default=1.4, help="GPU work queued in each forward (CPU: a sleep between steps)"
+    )
+    parser.add_argument("--chunk", type=int, default=256, help="prefill tokens per batch")
+    parser.add_argument("--out", type=Path, help="JSON result (default results/sglang-hooks-<device>.json)")
+    args = parser.parse_args()
+    out = args.out or RESULTS / f"sglang-hooks-{'h200' if args.device == 'cuda' else 'cpu'}.json"
+    endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/sglang-hooks-{os.getpid()}"
+    row_bytes = (len(LAYERS) + 1) * args.hidden * 2
+    max_rows = args.chunk + max(args.batches)
+    slot_bytes = -(-max_rows * row_bytes // SLOT_ALIGN) * SLOT_ALIGN
+    config = CaptureConfig(
+        layers=LAYERS, hidden_size=args.hidden, num_layers=32, dtype="bfloat16", device=args.device,
+        policy="drop", endpoint=endpoint, slot_bytes=slot_bytes, ring_bytes=8 * slot_bytes, max_step_rows=max_rows,
+    )  # fmt: skip
+    consumer = subprocess.Popen(
+        consume_command(endpoint, None, "--discard", "--exit-on-eos", "--quiet", "--watch-pid", str(os.getpid()))
+    )
+    deferred = capture_with_producer(config)
+    sync = SyncCapture(deferred.settings)
+    sync.producer = deferred.producer
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        while not deferred.producer.attached:
+            deferred.producer.poll()
+            time.sleep(0.01)
+        first = 0
+        for n, batch in enumerate(args.batches):
+            variants = [("deferred", deferred), ("sync", sync)]
+            for name, capture in variants if n % 2 == 0 else variants[::-1]:
+                profile = name == "deferred" and batch == GOAL_BATCH
+                result = measure(capture, batch, args, first, profile)
+                results.setdefault(str(batch), {})[name] = result
+                first += batch
+                print(f"batch {batch:>4} {name:>8}: {_brief(result)}", flush=True)
+                if profile:
+                    print("\n".join(result["profile_top"]), flush=True)
+    finally:
+        deferred.producer.close()
+        consumer.wait(60)
+    goal = results.get(str(GOAL_BATCH), {}).get("deferred", {}).get("median_us")
+    record = {
+        "benchmark": "sglang_hooks",
+        "command": " ".join(["python -m benchmarks.sglang_hooks", *sys.argv[1:]]),
+        "commit": os.environ.get("HSCAPTURE_COMMIT") or _git_head(),
+        "machine": {
+            "platform": platform.platform(),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "out"},
+        "results": results,
+        "goal": {
+            "what": f"deferred hooks at batch {GOAL_BATCH}: median host time per decode step <= {GOAL_US} us",
+            "value_us": goal,
+            "met": None if goal is None or args.device != "cuda" else goal <= GOAL_US,
+        },
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(table(record))
+    print(f"wrote {out}")
+
+
+def _brief(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k != "profile_top"}
+
+
+def table(record: dict[str, Any]) -> str:
+    """Markdown table of a result record."""
+    lines = [
+        "| batch | variant | host µs/step, median (p90) | after_forward | after_batch_result | syncs/step | dropped |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for batch, variants in record["results"].items():
+        for name in ("deferred", "sync"):
+            r = variants[name]
+            syncs = "—" if r["syncs_per_step"] is None else r["syncs_per_step"]
+            lines.append(
+                f"| {batch} | {name} | {r['median_us']} ({r['p90_us']}) | {r['after_forward_median_us']} | "
+                f"{r['after_batch_result_median_us']} | {syncs} | {r['rows_dropped']} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""The SGLang plugin's hooks over SGLang-shaped batches, without SGLang: rows, positions, token ids, no sync.
+
+``benchmarks/sglang_standin.py`` runs requests the way SGLang's scheduler loop does (overlap
+and normal order; chunked prefill, mixed and decode batches, a retraction, an abort, a
+discarded output) and calls the plugin's real hooks; a real consumer process writes the store.
+On a GPU every hook call runs under ``torch.cuda.set_sync_debug_mode("error")``. Where SGLang is
+installed, the stand-ins are checked against SGLang's own classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from array import array
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.sglang_standin import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    VOCAB,
+    ForwardMode,
+    GenerationBatchResult,
+    LogitsProcessorOutput,
+    OverlapScheduler,
+    Plan,
+    Req,
+    SamplingParams,
+    ScheduleBatch,
+    capture_with_producer,
+    expected_row,
+)
+from hscapture import CaptureConfig, open_store
+from hscapture.integrations.sglang import MAX_PENDING
+from tests.conftest import ConsumerFactory, wait_attached
+
+HIDDEN = 32
+LAYERS = (2, 4, 5)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu])]
+
+
+def plans() -> list[Plan]:
+    rng = np.random.default_rng(7)
+
+    def prompt(n: int) -> list[int]:
+        return rng.integers(1, VOCAB, n).tolist()
+
+    return [
+        Plan("short", prompt(5), max_new_tokens=6),
+        Plan("chunked", prompt(50), max_new_tokens=4),  # 50 prompt tokens > 24 per batch: three chunks
+        Plan("late", prompt(9), max_new_tokens=7, arrive=4),  # joins while others decode: mixed batches
+        Plan("retracted", prompt(12), max_new_tokens=9, retract_after=3),
+        Plan("aborted", prompt(4), max_new_tokens=50, abort_after=2),
+        Plan("discarded", prompt(6), max_new_tokens=50, discard_after=3),
+        Plan("one-token", prompt(1), max_new_tokens=1),
+        Plan("later", prompt(30), max_new_tokens=5, arrive=9),
+    ]
+
+
+def config_for(endpoint: str, device: str) -> CaptureConfig:
+    row_bytes = (len(LAYERS) + 1) * HIDDEN * 4
+    return CaptureConfig(
+        layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_layers=8,
+        dtype="float32",
+        device=device,
+        policy="block",
+        endpoint=endpoint,
+        slot_bytes=8 * row_bytes,  # 8 rows a slot: a prefill step spans several slots
+        ring_bytes=8 * 8 * row_bytes,
+        max_step_rows=64,
+        block_timeout_s=60,
+    )
+
+
+def strict_hooks(device: str) -> Callable[[str, Callable[[], None]], None]:
+    """Every hook call on the GPU under sync-debug mode "error": a host-device sync raises."""
+
+    def call(name: str, hook: Callable[[], None]) -> None:
+        if device != "cuda":
+            hook()
+            return
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            hook()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return call
+
+
+@contextmanager
+def no_capture_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """The plugin logs and switches capture off on any error; here that must never happen."""
+    with caplog.at_level(logging.ERROR, logger="hscapture.integrations.sglang"):
+        yield
+    assert not caplog.records, caplog.text
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_hooks_store_every_row_with_its_position_and_token(
+    tmp_path: Path,
+    endpoint: str,
+    start_consumer: ConsumerFactory,
+    caplog: pytest.LogCaptureFixture,
+    device: str,
+    overlap: bool,
+) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    capture = capture_with_producer(config_for(endpoint, device))
+    wait_attached(capture.producer)
+    scheduler = OverlapScheduler(
+        capture, plans(), device=device, hidden=HIDDEN, num_aux=len(LAYERS), overlap=overlap, hook=strict_hooks(device)
+    )
+    with no_capture_errors(caplog):
+        scheduler.run()
+    assert capture.enabled and not capture.pending
+    modes = set(scheduler.modes)
+    assert modes == {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE}, modes
+    counters = capture.producer.close()
+    assert consumer.wait(60) == 0
+    assert counters.rows_dropped == 0
+
+    store = open_store(tmp_path)
+    names = [*(f"layer_{k}" for k in LAYERS), "last"]
+    for rid, req in scheduler.reqs.items():
+        record = store.record(rid)
+        prompt, output = list(req.origin_input_ids), list(req.output_ids)
+        total = len(prompt) + len(output) - 1
+        rows = store.get(rid)
+        positions, tokens = rows["positions"][:total], rows["input_ids"][:total]
+        assert positions.tolist() == list(range(total)), rid
+        assert tokens.tolist() == (prompt + output)[:total], rid
+        for t, name in enumerate(names):
+            want = torch.tensor([expected_row(k, p, t) for k, p in zip(tokens.tolist(), positions.tolist())])
+            assert torch.equal(rows[name][:total], want[:, None].expand(-1, HIDDEN)), (rid, name)
+        if isinstance(req.finished_reason, FINISH_ABORT):
+            assert record["status"] == "incomplete" and "aborted" in record["reason"], record
+            continue
+        assert record["status"] == "complete", record
+        assert len(rows["positions"]) == total
+        # The overlap loop runs each request one step past its end; the store cuts that row.
+        assert record.get("surplus_rows", 0) == (1 if overlap else 0), record
+    assert store.record("retracted")["meta"]["retractions"] == 1
+
+
+def test_rows_wait_for_their_tokens_and_a_stuck_forward_stops_capture(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A decode forward whose input token the host does not hold yet is announced once it does."""
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    capture = capture_with_producer(config_for(endpoint, "cpu"))
+    wait_attached(capture.producer)
+    nothing = ScheduleBatch([], ForwardMode.DECODE, torch.tensor([]), [], [])
+
+    def forward(req: Req, mode: ForwardMode, positions: list[int]) -> ScheduleBatch:
+        rows = len(positions)
+        states = torch.zeros(rows, len(LAYERS) + 1, HIDDEN)
+        output = LogitsProcessorOutput(states[:, :-1].reshape(rows, -1), states[:, -1])
+        batch = ScheduleBatch([req], mode, torch.tensor([positions[-1] + 1]), [positions[0]], [rows])
+        capture.after_forward(GenerationBatchResult(output, torch.zeros(1)), None, batch)
+        return batch
+
+    req = Req("r", [11, 12, 13], SamplingParams(max_new_tokens=3))
+    capture.after_batch_result(None, None, forward(req, ForwardMode.EXTEND, [0, 1, 2]))
+    assert not capture.pending  # prompt tokens are on the host at once
+    req.output_ids.append(21)
+    capture.after_batch_result(None, None, forward(req, ForwardMode.DECODE, [3]))
+    assert not capture.pending
+    decode = forward(req, ForwardMode.DECODE, [4])  # its token, the next output, is not on the host yet
+    capture.after_batch_result(None, None, nothing)
+    assert len(capture.pending) == 1
+    req.output_ids.extend([22, 23])
+    req.finished_reason = FINISH_LENGTH(3)
+    capture.after_batch_result(None, None, decode)  # announced, then finished
+    assert not capture.pending and capture.enabled
+
+    # Forwards whose tokens never reach the host: capture stops, loudly; serving goes on.
+    stuck = Req("s", [1], SamplingParams(max_new_tokens=9))
+    with caplog.at_level(logging.ERROR, logger="hscapture.integrations.sglang"):
+        for position in range(1, MAX_PENDING + 1):
+            forward(stuck, ForwardMode.DECODE, [position])
+            capture.after_batch_result(None, None, nothing)
+        assert capture.enabled and len(capture.pending) == MAX_PENDING
+        forward(stuck, ForwardMode.DECODE, [MAX_PENDING + 1])
+    assert not capture.enabled and "forwards wait to be announced" in caplog.text
+    assert consumer.wait(60) == 0
+    store = open_store(tmp_path)
+    assert store.record("r")["status"] == "complete"
+    rows = store.get("r")
+    assert rows["positions"].tolist() == [0, 1, 2, 3, 4]
+    assert rows["input_ids"].tolist() == [11, 12, 13, 21, 22]
+
+
+@pytest.mark.slow
+def test_standins_match_sglangs_own_classes() -> None:
+    """Every attribute the hooks read exists on SGLang's classes, with the same types and answers."""
+    from hscapture.integrations.sglang import use_cpu_host_env
+
+    use_cpu_host_env()
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    from sglang.srt.layers import logits_processor
+    from sglang.srt.managers import schedule_batch
+    from sglang.srt.model_executor import forward_batch_info
+    from sglang.srt.sampling.sampling_params import SamplingParams as RealSamplingParams
+
+    real = schedule_batch.Req("r", "", array("q", [1, 2, 3]), RealSamplingParams(max_new_tokens=4))
+    mine = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=4))
+    for name in ("rid", "origin_input_ids", "output_ids", "finished_reason", "is_retracted", "retraction_count"):
+        assert type(getattr(real, name)) is type(getattr(mine, name)), name
+        assert getattr(real, name) == getattr(mine, name), name
+    assert real.finished() is mine.finished() is False
+    assert real.sampling_params.custom_params == mine.sampling_params.custom_params
+    fields = {f.name for f in dataclasses.fields(schedule_batch.ScheduleBatch)}
+    assert {f.name for f in dataclasses.fields(ScheduleBatch)} <= fields
+    outputs = {f.name for f in dataclasses.fields(logits_processor.LogitsProcessorOutput)}
+    assert {f.name for f in dataclasses.fields(LogitsProcessorOutput)} <= outputs
+    for mode in ForwardMode:
+        theirs = forward_batch_info.ForwardMode[mode.name]
+        assert (theirs.is_decode(), theirs.is_extend(), theirs.is_idle()) == (
+            mode.is_decode(),
+            mode.is_extend(),
+            mode.is_idle(),
+        ), mode
+    assert schedule_batch.FINISH_ABORT().to_json() == FINISH_ABORT().to_json()
+    assert schedule_batch.FINISH_LENGTH(3).to_json() == FINISH_LENGTH(3).to_json()
