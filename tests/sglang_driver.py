@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--aux", action="store_true", help="SGLang's aux-state flags (implied by --capture)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--chunked-prefill-size", type=int, default=32)
+    parser.add_argument("--engine-json", default="{}", help="more sglang.Engine keyword arguments, as JSON")
     args = parser.parse_args()
     use_cpu_host_env()
     if args.capture:
@@ -45,6 +46,7 @@ def main() -> None:
         chunked_prefill_size=args.chunked_prefill_size,
         disable_radix_cache=True,
         **CPU_ENGINE_KWARGS,
+        **json.loads(args.engine_json),
         # Without the aux flags SGLang returns the post-norm last layer, once asked to return states at all.
         **(engine_kwargs() if args.capture or args.aux else {"enable_return_hidden_states": True}),
     )
