@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ext.add_argument("--max-new-tokens", type=int, default=512, help="regenerate: tokens per answer (default 512)")
     ext.add_argument("--temperature", type=float, default=0.0, help="regenerate: sampling temperature (default 0)")
+    ext.add_argument("sglang_args", nargs=argparse.REMAINDER, help="sglang: -- then more SGLang server arguments")
 
     con = commands.add_parser(
         "consume",
@@ -231,6 +232,7 @@ def _extract(args: argparse.Namespace) -> int:
         mode=args.mode,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
+        sglang_args=_after_dashes(args.sglang_args),
     )
     try:
         summary = extract(options)
@@ -256,7 +258,7 @@ def _extract(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from hscapture.serve import ServeOptions, serve
 
-    sglang_args = args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args
+    sglang_args = _after_dashes(args.sglang_args)
     options = ServeOptions(
         out=args.out,
         layers=args.layers,
@@ -267,6 +269,11 @@ def _serve(args: argparse.Namespace) -> int:
         slot_bytes=args.slot_bytes,
     )
     return serve(options, sglang_args)
+
+
+def _after_dashes(rest: list[str]) -> list[str]:
+    """The engine's own arguments: what follows ``--`` on the command line."""
+    return rest[1:] if rest[:1] == ["--"] else rest
 
 
 def _bench(suite_args: list[str]) -> int:
@@ -327,7 +334,7 @@ def _consume(args: argparse.Namespace) -> int:
         reporter.close()
     if not args.quiet:
         print(f"done: {stats.to_dict()}", file=sys.stderr)
-    return 0
+    return 1 if args.exit_on_eos and consumer.last_failure else 0  # its run ended in a capture failure (logged)
 
 
 def _verify(args: argparse.Namespace) -> int:

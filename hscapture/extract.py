@@ -76,6 +76,8 @@ class ExtractOptions:
     #: SGLang regenerate mode: most tokens generated per sample, and the sampling temperature.
     max_new_tokens: int = 512
     temperature: float = 0.0
+    #: SGLang only: more SGLang server arguments (``hscapture extract ... -- ARGS``, as for ``serve``).
+    sglang_args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -198,6 +200,8 @@ def extract(options: ExtractOptions) -> ExtractSummary:
         raise ValueError(f"--engine: {options.engine!r} is unknown; use hf or sglang")
     if options.mode != "teacher":
         raise ValueError("--mode regenerate needs --engine sglang (the HF engine runs teacher forcing only)")
+    if options.sglang_args:
+        raise ValueError(f"{' '.join(options.sglang_args)}: arguments after -- are SGLang's; they need --engine sglang")
     tokenizer, model, model_path = load_model(options.model, options.dtype, options.device)
     num_layers = model.config.num_hidden_layers
     layers = options.layers if options.layers is not None else eagle3_default_layers(num_layers)
