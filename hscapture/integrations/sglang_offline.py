@@ -152,7 +152,7 @@ async def _watched(generation: Awaitable[Any], consumer: subprocess.Popen, out: 
         await asyncio.wait({task}, timeout=0.2)
         if not task.done() and consumer.poll() is not None:
             task.cancel()
-            raise _consumer_error(consumer.returncode, out)
+            raise _consumer_error(consumer.returncode, out, "; SGLang's generation was stopped")
     return task.result()
 
 
@@ -166,12 +166,12 @@ def capture_failure(out: Path) -> str:
     return reason if reason.startswith("capture failed") else ""
 
 
-def _consumer_error(code: int, out: Path) -> HSCaptureError:
+def _consumer_error(code: int, out: Path, then: str = "") -> HSCaptureError:
     """Why the consumer stopped: the producer's original error when capture failed inside SGLang."""
     failure = capture_failure(out)
     if failure:
-        return HSCaptureError(f"{failure} (in SGLang's scheduler); the store at {out} keeps what was committed")
-    return HSCaptureError(f"consumer exited with code {code}; see its message above")
+        return HSCaptureError(f"{failure} (in SGLang's scheduler){then}; the store at {out} keeps what was committed")
+    return HSCaptureError(f"consumer exited with code {code}{then}; see its message above")
 
 
 def _check_layers(store: Any, wanted: Sequence[int]) -> None:
