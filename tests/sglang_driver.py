@@ -34,13 +34,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--chunked-prefill-size", type=int, default=32)
     parser.add_argument("--engine-json", default="{}", help="more sglang.Engine keyword arguments, as JSON")
-    parser.add_argument("--layers", help="hscapture layer ids, e.g. 1,3,6 (default: SGLang's EAGLE-3 default)")
+    parser.add_argument(
+        "--layers", help="hscapture layer ids, e.g. 1,3,6, or 'auto' for hscapture's default (default: SGLang's)"
+    )
     parser.add_argument("--settings-json", default="{}", help="more PluginSettings fields, as JSON")
     args = parser.parse_args()
     use_cpu_host_env()
     layer_ids = None
     if args.layers:
-        plan = launch_plan(args.model, [int(k) for k in args.layers.split(",")])
+        plan = launch_plan(args.model, None if args.layers == "auto" else [int(k) for k in args.layers.split(",")])
         layer_ids = plan.sglang_ids
     if args.capture:
         settings = {"slot_bytes": 1 << 20, **json.loads(args.settings_json)}

@@ -31,8 +31,10 @@ from hscapture.integrations.hf import eagle3_default_layers
 
 log = logging.getLogger(__name__)
 
-_RESIDUAL = "residual"
-_GEMMA3 = "gemma3-branch"
+#: :attr:`Architecture.captures`: the residual stream entering layer k (HF ``output_hidden_states[k]``).
+RESIDUAL_STREAM = "residual-stream"
+#: :attr:`Architecture.captures`: Gemma3's layer k-1 MLP-branch output after its post-feedforward norm.
+GEMMA3_MLP_BRANCH = "gemma3-mlp-branch"
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Architecture:
         """One sentence per stored tensor saying exactly what SGLang captured for this architecture."""
         out = []
         for k in layers:
-            if self.captures == _GEMMA3:
+            if self.captures == GEMMA3_MLP_BRANCH:
                 out.append(
                     f"output of decoder layer {k - 1}'s MLP branch after its post-feedforward norm, before it is added "
                     f"to the residual stream (SGLang {self.name} layers_to_capture {k}); not the residual stream, "
@@ -86,9 +88,9 @@ def _rows(names: Sequence[str], **fields: Any) -> dict[str, Architecture]:
     return {name: Architecture(name=name, **fields) for name in names}
 
 
-_LLAMA_LIKE = dict(ids="plus_one", captures=_RESIDUAL, first_layer=1, captures_final_layer=False)
+_LLAMA_LIKE = dict(ids="plus_one", captures=RESIDUAL_STREAM, first_layer=1, captures_final_layer=False)
 _DEEPSEEK = dict(
-    ids="deepseek", captures=_RESIDUAL, stack="deepseek_v2.DeepseekV2Model", first_layer=0, captures_final_layer=False
+    ids="deepseek", captures=RESIDUAL_STREAM, stack="deepseek_v2.DeepseekV2Model", first_layer=0, captures_final_layer=False
 )
 #: Every architecture hscapture captures from with SGLang, by config.json ``architectures[0]``.
 ARCHITECTURES: dict[str, Architecture] = {
@@ -106,7 +108,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     **_rows(
         ["Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"],
         ids="plus_one",
-        captures=_GEMMA3,
+        captures=GEMMA3_MLP_BRANCH,
         stack="gemma3_causal.Gemma3TextModel",
         first_layer=1,
         captures_final_layer=True,  # Gemma3TextModel also looks at layers_to_capture after its loop
