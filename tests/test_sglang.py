@@ -212,7 +212,7 @@ def test_each_architecture_stores_what_sglang_returns_as_asked_and_described(
     run = meta["runs"][0]["meta"]
     assert run["config"]["layers"] == list(plan.layers) == layers
     assert run["architecture"] == plan.arch.name and run["sglang_layers_to_capture"] == layers
-    assert [t["description"] for t in meta["tensors"]] == plan.arch.describe(layers, True, plan.num_layers)
+    assert [t["description"] for t in meta["tensors"]] == plan.arch.describe(layers, True)
     assert store.summary()["complete"] == len(PROMPTS)
     for result in results:
         rows = store.get(result["rid"])

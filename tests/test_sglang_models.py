@@ -63,13 +63,13 @@ def test_default_layers_are_eagle3s_without_the_repeat_of_shallow_models(caplog:
 
 
 def test_descriptions_say_which_tensor_each_architecture_keeps() -> None:
-    residual = ARCHITECTURES["KimiK25ForConditionalGeneration"].describe([3], True, 8)
+    residual = ARCHITECTURES["KimiK25ForConditionalGeneration"].describe([3], True)
     assert residual == [
         "residual stream entering decoder layer 3 (hidden + residual before its input norm); "
         "SGLang KimiK25ForConditionalGeneration layers_to_capture 3, HF output_hidden_states[3]",
         "final hidden state after the model's last norm (SGLang last_hidden_states, LM head input)",
     ]
-    (gemma,) = ARCHITECTURES["Gemma3ForConditionalGeneration"].describe([8], False, 8)
+    (gemma,) = ARCHITECTURES["Gemma3ForConditionalGeneration"].describe([8], False)
     assert gemma.startswith(
         "output of decoder layer 7's MLP branch after its post-feedforward norm, before it is added"
     )

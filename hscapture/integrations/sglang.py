@@ -385,7 +385,7 @@ class SGLangCapture:
             "dp_size": dp_size,
             **self.settings.meta,
         }
-        descriptions = arch.describe(self.layers, self.settings.capture_last, num_layers)
+        descriptions = arch.describe(self.layers, self.settings.capture_last)
         self.producer = Producer(config, tensor_descriptions=descriptions, meta=meta)
         log.info("hscapture: capturing layers %s (+last=%s) to %s", self.layers, config.capture_last, config.endpoint)
 
