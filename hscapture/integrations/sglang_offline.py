@@ -78,6 +78,7 @@ def extract_with_sglang(options: ExtractOptions) -> ExtractSummary:
         use_cpu_host_env()
     endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-sglang-{os.getpid()}"
     meta = {"model": str(model_path), "data": str(data), "mode": options.mode, "launcher": "hscapture extract"}
+    meta["server_args"] = options.sglang_args
     settings = PluginSettings(
         endpoint=endpoint, capture_last=options.capture_last, policy="block", meta=meta, layers=list(plan.layers)
     )
