@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from hscapture.config import CaptureConfig
-from hscapture.integrations.sglang import PluginSettings, SGLangCapture, describe
+from hscapture.integrations.sglang import PluginSettings, SGLangCapture
+from hscapture.integrations.sglang_models import architecture
 from hscapture.producer import Producer
 
 #: Token ids stay below this, so ``token * 1024 + position`` is exact in float32.
@@ -391,13 +392,14 @@ def expected_row(token: int, position: int, tensor: int) -> float:
 
 
 def capture_with_producer(config: CaptureConfig) -> SGLangCapture:
-    """The plugin's per-process capture object with its producer made here, not by ``_start``.
+    """The plugin's per-process capture object with its producer made here, not at model load.
 
-    ``_start`` reads SGLang's model and parallel state, which the stand-ins do not have; the
-    hooks and everything they call are the plugin's own.
+    The model-load hook reads SGLang's model and parallel state, which the stand-ins do not
+    have; it leaves the producer, the captured layers and their width, set here as it sets them
+    (a Llama). The forward and batch-result hooks and everything they call are the plugin's own.
     """
     capture = SGLangCapture(PluginSettings(endpoint=config.endpoint, policy=config.policy))
-    capture.producer = Producer(
-        config, tensor_descriptions=describe(config.layers, config.capture_last), meta={"engine": "sglang stand-in"}
-    )
+    descriptions = architecture("LlamaForCausalLM").describe(config.layers, config.capture_last)
+    capture.producer = Producer(config, tensor_descriptions=descriptions, meta={"engine": "sglang stand-in"})
+    capture.layers, capture.hidden = tuple(config.layers), config.hidden_size
     return capture

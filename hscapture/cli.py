@@ -206,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_option_flags(ext, ExtractOptions)
     _add_renamed(ext, "extract")
+    ext.add_argument("sglang_args", nargs=argparse.REMAINDER, help="sglang: -- then more SGLang server arguments")
 
     con = commands.add_parser(
         "consume",
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 def _extract(args: argparse.Namespace) -> int:
     from hscapture.extract import extract
 
+    args.sglang_args = _after_dashes(args.sglang_args)
     options: ExtractOptions = options_from(ExtractOptions, args)
     try:
         summary = extract(options)
@@ -348,7 +350,7 @@ def _extract(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from hscapture.serve import serve
 
-    sglang_args = args.sglang_args[1:] if args.sglang_args[:1] == ["--"] else args.sglang_args
+    sglang_args = _after_dashes(args.sglang_args)
     return serve(options_from(ServeOptions, args), sglang_args)
 
 
@@ -369,6 +371,11 @@ def _keys(args: argparse.Namespace) -> int:
         "`hscapture consume --endpoint tcp://HOST:PORT --producer-key COPY`."
     )
     return 0
+
+
+def _after_dashes(rest: list[str]) -> list[str]:
+    """The engine's own arguments: what follows ``--`` on the command line."""
+    return rest[1:] if rest[:1] == ["--"] else rest
 
 
 def _bench(suite_args: list[str]) -> int:
@@ -414,7 +421,7 @@ def _consume(args: argparse.Namespace) -> int:
         reporter.close()
     if not args.quiet:
         print(f"done: {stats.to_dict()}", file=sys.stderr)
-    return 0
+    return 1 if config.exit_on_eos and consumer.last_failure else 0  # its run ended in a capture failure (logged)
 
 
 def _verify(args: argparse.Namespace) -> int:

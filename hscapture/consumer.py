@@ -54,6 +54,8 @@ class ConsumerStats:
     rows_dropped: int = 0
     #: Rows whose ring slot this consumer released.
     rows_released: int = 0
+    #: Producer runs that ended because capture failed inside the engine.
+    producer_failures: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -108,6 +110,8 @@ class Consumer:
         self._ring_used_at_chunk = 0
         self._released_since_chunk = 0
         self._stopping = False
+        #: The original error of the last producer run that ended in a capture failure ('' if none did).
+        self.last_failure = ""
         self._last_hello = 0.0
         #: When the producer first refused us (another consumer attached); None while not refused.
         self._refused_since: float | None = None
@@ -303,7 +307,14 @@ class Consumer:
             return False
         self._release_copied(wait=True)  # the producer frees its ring once every slot is back
         self.stats.rows_dropped = self._drops.reported(message.counters.get("rows_dropped", 0))
-        self.store.end_run("end of stream", message.counters)
+        reason = "end of stream"
+        if message.error:
+            error = " ".join(message.error.split())  # one line, however the engine worded it
+            self.last_failure = error if len(error) <= 2000 else error[:2000] + "..."
+            self.stats.producer_failures += 1
+            reason = f"capture failed in the producer: {self.last_failure}"
+            log.error("run %s: %s; nothing more comes from this run", message.run_id, reason)
+        self.store.end_run(reason, message.counters)
         self._close_ring()
         self._layout = None
         self.stats.end_of_streams += 1
@@ -328,6 +339,8 @@ class Consumer:
             ring_slots_used=0 if layout is None else min(layout.num_slots, max(0, in_flight)),
             requests_finished=self.stats.requests_finished,
             messages_rejected=self.stats.messages_rejected,
+            producer_failures=self.stats.producer_failures,
+            last_failure=self.last_failure,
         )
 
     def _producer_died(self) -> bool:

@@ -87,6 +87,8 @@ class ExtractOptions:
     max_new_tokens: int = 512
     #: SGLang regenerate mode: the sampling temperature.
     temperature: float = 0.0
+    #: SGLang only: more SGLang server arguments (``hscapture extract ... -- ARGS``, as for ``serve``).
+    sglang_args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -209,6 +211,8 @@ def extract(options: ExtractOptions) -> ExtractSummary:
         raise ValueError(f"--engine: {options.engine!r} is unknown; use hf or sglang")
     if options.mode != "teacher":
         raise ValueError("--mode regenerate needs --engine sglang (the HF engine runs teacher forcing only)")
+    if options.sglang_args:
+        raise ValueError(f"{' '.join(options.sglang_args)}: arguments after -- are SGLang's; they need --engine sglang")
     tokenizer, model, model_path = load_model(options.model, options.dtype, options.device)
     num_layers = model.config.num_hidden_layers
     layers = options.layers if options.layers is not None else eagle3_default_layers(num_layers)

@@ -50,6 +50,9 @@ class Snapshot:
     ring_slots_used: int
     requests_finished: int
     messages_rejected: int
+    #: Producer runs that ended because capture failed in the engine, and the last one's error.
+    producer_failures: int = 0
+    last_failure: str = ""
 
 
 class DropTally:
@@ -169,6 +172,7 @@ def stats_line(before: Snapshot, after: Snapshot) -> str:
         f"({rows_s:,.0f} rows/s, {bytes_s / 1e6:,.1f} MB/s) | "
         f"lag {after.rows_unreleased:,} rows unreleased, {after.rows_unwritten:,} unwritten | {ring} | "
         f"{after.requests_finished:,} requests finished"
+        + (f" | capture failed in the producer: {after.last_failure}" if after.last_failure else "")
     )
 
 
@@ -181,6 +185,12 @@ _METRICS = [
     ("hscapture_requests_finished_total", "counter", "Requests the producer finished.", "requests_finished"),
     ("hscapture_messages_rejected_total", "counter", "Malformed or foreign messages.", "messages_rejected"),
     ("hscapture_runs_total", "counter", "Producer runs attached to.", "runs"),
+    (
+        "hscapture_producer_failures_total",
+        "counter",
+        "Producer runs that ended because capture failed in the engine.",
+        "producer_failures",
+    ),
     ("hscapture_attached", "gauge", "1 while attached to a producer run.", "attached"),
     ("hscapture_rows_unreleased", "gauge", "Rows taken whose ring slot is not released yet.", "rows_unreleased"),
     ("hscapture_rows_unwritten", "gauge", "Rows copied out of the ring, not durable yet.", "rows_unwritten"),

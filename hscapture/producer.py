@@ -443,9 +443,10 @@ class Producer:
         if not self._closed:
             self._drain_control()
 
-    def close(self, timeout_s: float = 30.0) -> ProducerCounters:
+    def close(self, timeout_s: float = 30.0, error: str = "") -> ProducerCounters:
         """Announce the end of stream, wait up to ``timeout_s`` for in-flight slots, free the ring.
 
+        ``error``: why capture failed, if it did; the consumer records it with the run and shows it.
         Idempotent. Returns the final counters.
         """
         if self._closed:
@@ -456,7 +457,7 @@ class Producer:
             self._written.clear()
         try:
             eos = protocol.EndOfStream(
-                v=protocol.PROTOCOL_VERSION, run_id=self.run_id, counters=self.counters.to_dict()
+                v=protocol.PROTOCOL_VERSION, run_id=self.run_id, counters=self.counters.to_dict(), error=error
             )
             self._drain_control()
             if (self._consumer_id or self._offered) and self._send(protocol.encode(eos)):
@@ -761,7 +762,7 @@ class NullProducer:
     def poll(self) -> None:
         return None
 
-    def close(self, timeout_s: float = 0.0) -> ProducerCounters:
+    def close(self, timeout_s: float = 0.0, error: str = "") -> ProducerCounters:
         return self.counters
 
     def __enter__(self) -> NullProducer:

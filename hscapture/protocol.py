@@ -143,10 +143,15 @@ class RequestFinished(Message, tag="finished"):
 
 
 class EndOfStream(Message, tag="eos"):
-    """Producer -> consumer: the run is over; ``counters`` are the producer's final totals."""
+    """Producer -> consumer: the run is over; ``counters`` are the producer's final totals.
+
+    ``error`` is empty at a normal end; otherwise capture failed inside the engine and this is
+    the original error (the engine may serve on without capture).
+    """
 
     run_id: str
     counters: dict[str, int] = {}
+    error: str = ""
 
 
 ToProducer = Hello | Release

@@ -11,7 +11,6 @@ is gone, finish the requests it can and close the store; what was in flight is m
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -31,7 +30,8 @@ from hscapture.integrations.sglang import (
     endpoint_for,
     server_args,
 )
-from hscapture.integrations.sglang_offline import sglang_layer_ids
+from hscapture.integrations.sglang_models import launch_plan
+from hscapture.integrations.sglang_offline import capture_failure
 from hscapture.keys import KEYS_ENV, ensure_keys
 from hscapture.reader import open_store
 
@@ -91,16 +91,14 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
     streams = capture_streams(sglang_args)
     ensure_writable_dir(Path(options.out), "--out")
     base = options.endpoint or f"ipc:///tmp/hscapture-{os.getuid()}/serve-{os.getpid()}"
-    layer_ids = None
-    if options.layers is not None:
-        model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type", "")
-        layer_ids = sglang_layer_ids(options.layers, model_type)
+    plan = launch_plan(model, options.layers)  # refuses what SGLang's capture cannot give, before it starts
     settings = PluginSettings(
         endpoint=base,
         capture_last=options.capture_last,
         policy=options.policy,
         slot_bytes=options.slot_bytes,
         meta={"launcher": "hscapture serve", "server_args": sglang_args},
+        layers=list(plan.layers),
     )
     env = {**os.environ, ENV: settings.to_env()}
     keys_args: list[str] = []
@@ -109,17 +107,18 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
         if options.keys is not None:
             env[KEYS_ENV] = str(options.keys)
             keys_args = ["--keys", str(options.keys)]
-    extra = server_args(layer_ids)
+    extra = server_args(plan.sglang_ids)
     cpu_env = cpu_host_env()
     if cpu_env:  # no NVIDIA driver here: SGLang's CPU path
         env.update(cpu_env)
         if option_value(sglang_args, "--device") is None:
             extra += CPU_SERVER_ARGS
+    folders = _store_folders(Path(options.out), streams)
     consumers = [
         subprocess.Popen(
             consume_command(
                 endpoint_for(base, rank, streams),
-                Path(options.out) / f"dp{rank}" if streams > 1 else Path(options.out),
+                folder,
                 "--exit-on-eos",
                 "--shard-bytes",
                 str(options.shard_bytes),
@@ -128,7 +127,7 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
             ),
             start_new_session=True,  # a terminal's Ctrl-C reaches us; we stop the consumers in order
         )
-        for rank in range(streams)
+        for rank, folder in enumerate(folders)
     ]
     command = [sys.executable, "-m", "sglang.launch_server", *sglang_args, *extra]
     print(f"hscapture serve: {' '.join(command)}", file=sys.stderr, flush=True)
@@ -142,22 +141,39 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = _wait_server(server, stopping)
+        code = _wait_server(server, stopping, list(zip(folders, consumers)))
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _stop_consumers(consumers, options.grace_s)
-    _summary(Path(options.out), streams)
+    _summary(folders)
     return 0 if stopping else code
 
 
-def _wait_server(server: subprocess.Popen, stopping: list[int]) -> int:
+def _store_folders(out: Path, streams: int) -> list[Path]:
+    """One store per capture stream: ``out`` itself, or ``out/dp<rank>`` with data parallelism."""
+    return [out / f"dp{rank}" for rank in range(streams)] if streams > 1 else [out]
+
+
+def _wait_server(server: subprocess.Popen, stopping: list[int], consumers: list[tuple[Path, subprocess.Popen]]) -> int:
+    """The server's exit status; says at once when a consumer stops while the server serves on."""
+    told: set[Path] = set()
     while True:
         try:
             return server.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             if stopping and len(stopping) > 1:  # a second Ctrl-C: do not wait for a graceful stop
                 server.kill()
+            for folder, consumer in consumers:
+                if stopping or folder in told or consumer.poll() is None:
+                    continue
+                told.add(folder)
+                why = capture_failure(folder) or f"its consumer exited with code {consumer.returncode}"
+                print(
+                    f"hscapture serve: capture into {folder} stopped: {why}; SGLang serves on without capture",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def _stop_consumers(consumers: list[subprocess.Popen], grace_s: float) -> None:
@@ -175,8 +191,8 @@ def _stop_consumers(consumers: list[subprocess.Popen], grace_s: float) -> None:
                 consumer.wait()
 
 
-def _summary(out: Path, streams: int) -> None:
-    for folder in [out / f"dp{r}" for r in range(streams)] if streams > 1 else [out]:
+def _summary(folders: list[Path]) -> None:
+    for folder in folders:
         try:
             summary = open_store(folder).summary()
         except Exception as exc:  # nothing was captured (the server never served), or no store

@@ -351,27 +351,112 @@ _DEEPSEEK_CONFIG_EXTRA: dict[str, Any] = {
     "moe_layer_freq": 1,
     "scoring_func": "softmax",
 }
-ARCHITECTURES = ("llama", "deepseek_v2")
+#: Tiny DeepSeek-V3 (MLA + MoE with sigmoid group-limited routing), also the text model of the tiny Kimi-K2.5.
+DEEPSEEK_V3_SHAPE: dict[str, Any] = {
+    **{k: v for k, v in DEEPSEEK_SHAPE.items() if k not in ("topk_method", "q_lora_rank")},
+    "q_lora_rank": 64,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
+#: config.json entries of the tiny DeepSeek-V3 that SGLang's CPU path reads (YaRN rope, noaux_tc routing).
+_DEEPSEEK_V3_CONFIG_EXTRA: dict[str, Any] = {
+    "rope_scaling": _DEEPSEEK_CONFIG_EXTRA["rope_scaling"],
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+}
+#: Tiny Qwen3 with 6 decoder layers: EAGLE-3's default layers ``[2, L//2, L-3]`` collide there.
+QWEN3_SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 2048,
+}
+#: Tiny Gemma3 (``Gemma3ForConditionalGeneration``): text model plus a one-layer SigLIP tower.
+GEMMA3_TEXT_SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 32,
+    "sliding_window": 16,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
+    "max_position_embeddings": 2048,
+}
+GEMMA3_VISION_SHAPE: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 32,
+    "patch_size": 16,
+    "vision_use_head": False,
+}
+#: Kimi-K2.5's vision tower, as small as SGLang's ``KimiK25VisionConfig`` allows (served text-only here;
+#: SGLang's tower reads the plain names, its projector the ``vt_`` ones).
+KIMI_K25_VISION_SHAPE: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "vt_hidden_size": 32,
+    "vt_intermediate_size": 64,
+    "vt_num_hidden_layers": 1,
+    "vt_num_attention_heads": 2,
+    "init_pos_emb_height": 8,
+    "init_pos_emb_width": 8,
+    "text_hidden_size": DEEPSEEK_V3_SHAPE["hidden_size"],
+}
+ARCHITECTURES = ("llama", "deepseek_v2", "deepseek_v3", "kimi_k25", "qwen3", "gemma3")
 
 
 def _build_model(out_dir: Path, tokenizer: Any, architecture: str = "llama") -> None:
     """Random-init the model from seed 0 and save it as bfloat16 safetensors."""
     import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
+    if architecture == "kimi_k25":
+        _build_model(out_dir, tokenizer, "deepseek_v3")
+        _wrap_as_kimi_k25(out_dir)
+        return
     config_class, model_class, shape = {
         "llama": (LlamaConfig, LlamaForCausalLM, MODEL_SHAPE),
         "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM, DEEPSEEK_SHAPE),
+        "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, DEEPSEEK_V3_SHAPE),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, QWEN3_SHAPE),
+        "gemma3": (Gemma3TextConfig, Gemma3ForConditionalGeneration, GEMMA3_TEXT_SHAPE),
     }[architecture]
     config = config_class(
         vocab_size=len(tokenizer),
-        tie_word_embeddings=False,
+        tie_word_embeddings=architecture == "gemma3",  # Gemma ties its LM head to the embeddings
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype=torch.bfloat16,
         **shape,
     )
+    if architecture == "gemma3":
+        config = Gemma3Config(text_config=config, vision_config=GEMMA3_VISION_SHAPE, mm_tokens_per_image=4)
+        config.dtype = torch.bfloat16
     # fork_rng: seed the init without changing the caller's global torch RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -385,6 +470,49 @@ def _build_model(out_dir: Path, tokenizer: Any, architecture: str = "llama") -> 
         values.update(_DEEPSEEK_CONFIG_EXTRA)
         values["rope_parameters"] = _DEEPSEEK_CONFIG_EXTRA["rope_scaling"]
         config_path.write_text(json.dumps(values, indent=2))
+    if architecture == "gemma3":
+        _rename_weights(out_dir, "vision_tower.", "vision_tower.vision_model.")  # the released checkpoints' names
+    if architecture == "deepseek_v3":
+        config_path = out_dir / "config.json"
+        values = json.loads(config_path.read_text())
+        values.update(_DEEPSEEK_V3_CONFIG_EXTRA)
+        values["rope_parameters"] = _DEEPSEEK_V3_CONFIG_EXTRA["rope_scaling"]
+        config_path.write_text(json.dumps(values, indent=2))
+
+
+def _rename_weights(out_dir: Path, prefix: str, replacement: str) -> None:
+    """Rename the saved tensors whose name starts with ``prefix`` to start with ``replacement``."""
+    from safetensors.torch import load_file, save_file
+
+    weights = out_dir / "model.safetensors"
+    tensors = {
+        replacement + name[len(prefix) :] if name.startswith(prefix) else name: tensor
+        for name, tensor in load_file(weights).items()
+    }
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def _wrap_as_kimi_k25(out_dir: Path) -> None:
+    """Turn a saved DeepSeek-V3 into a Kimi-K2.5 checkpoint with the same text weights.
+
+    Kimi-K2.5 (``KimiK25ForConditionalGeneration``) is a DeepSeek-V3 text model under
+    ``language_model.`` plus a vision tower; the tower's weights are left out (SGLang keeps its
+    random init, and the tests serve text only).
+    """
+    _rename_weights(out_dir, "", "language_model.")
+    config_path = out_dir / "config.json"
+    text = json.loads(config_path.read_text())
+    kimi = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": KIMI_K25_VISION_SHAPE,
+        "pad_token_id": text["pad_token_id"],
+        "bos_token_id": text["bos_token_id"],
+        "eos_token_id": text["eos_token_id"],
+        "dtype": text.get("dtype", "bfloat16"),
+    }
+    config_path.write_text(json.dumps(kimi, indent=2))
 
 
 @contextlib.contextmanager

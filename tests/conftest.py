@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -19,15 +20,23 @@ from hscapture.producer import Producer
 from tests.workload import Workload, make_config, make_producer
 
 
-@pytest.fixture
-def endpoint() -> Iterator[str]:
+@contextlib.contextmanager
+def short_endpoint() -> Iterator[str]:
     """A fresh ipc:// endpoint (ipc paths must stay under ~100 characters, so not in tmp_path)."""
     directory = Path(f"/tmp/hsc-test-{uuid.uuid4().hex[:10]}")
-    yield f"ipc://{directory}/ep"
-    for child in directory.glob("*"):
-        child.unlink(missing_ok=True)
-    if directory.exists():
-        directory.rmdir()
+    try:
+        yield f"ipc://{directory}/ep"
+    finally:
+        for child in directory.glob("*"):
+            child.unlink(missing_ok=True)
+        if directory.exists():
+            directory.rmdir()
+
+
+@pytest.fixture
+def endpoint() -> Iterator[str]:
+    with short_endpoint() as name:
+        yield name
 
 
 ConsumerFactory = Callable[..., subprocess.Popen]

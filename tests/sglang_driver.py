@@ -26,6 +26,7 @@ from hscapture.integrations.sglang import (
     engine_kwargs,
     use_cpu_host_env,
 )
+from hscapture.integrations.sglang_models import launch_plan
 
 
 def main() -> None:
@@ -38,10 +39,22 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--chunked-prefill-size", type=int, default=32)
     parser.add_argument("--absorbed-mla", action="store_true", help="DeepSeek: prefill by absorbed MLA too")
+    parser.add_argument("--engine-json", default="{}", help="more sglang.Engine keyword arguments, as JSON")
+    parser.add_argument(
+        "--layers", help="hscapture layer ids, e.g. 1,3,6, or 'auto' for hscapture's default (default: SGLang's)"
+    )
+    parser.add_argument("--settings-json", default="{}", help="more PluginSettings fields, as JSON")
     args = parser.parse_args()
     use_cpu_host_env()
+    layer_ids = None
+    if args.layers:
+        plan = launch_plan(args.model, None if args.layers == "auto" else [int(k) for k in args.layers.split(",")])
+        layer_ids = plan.sglang_ids
     if args.capture:
-        os.environ[ENV] = PluginSettings(endpoint=args.capture, policy="block", slot_bytes=1 << 20).to_env()
+        settings = {"slot_bytes": 1 << 20, **json.loads(args.settings_json)}
+        if args.layers:
+            settings["layers"] = list(plan.layers)
+        os.environ[ENV] = PluginSettings(endpoint=args.capture, policy="block", **settings).to_env()
     import sglang
 
     engine = sglang.Engine(
@@ -52,8 +65,9 @@ def main() -> None:
         disable_radix_cache=True,
         **CPU_ENGINE_KWARGS,
         **({"forward_hooks": [ABSORBED_MLA_HOOK]} if args.absorbed_mla else {}),
+        **json.loads(args.engine_json),
         # Without the aux flags SGLang returns the post-norm last layer, once asked to return states at all.
-        **(engine_kwargs() if args.capture or args.aux else {"enable_return_hidden_states": True}),
+        **(engine_kwargs(layer_ids) if args.capture or args.aux else {"enable_return_hidden_states": True}),
     )
     with open(args.prompts) as f:
         prompts = json.load(f)

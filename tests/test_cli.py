@@ -37,8 +37,8 @@ def test_every_options_field_is_a_documented_flag(command: str) -> None:
     arguments = {a.dest: a for a in subparser(command)._actions if a.help != argparse.SUPPRESS}
     for f in dataclasses.fields(cls):
         assert docs.get(f.name), f"{cls.__name__}.{f.name} has no #: comment to document its flag"
-        if typing.get_origin(hints[f.name]) is list:  # argument lists handed on (consumer_args)
-            assert f.name not in arguments
+        if typing.get_origin(hints[f.name]) is list:  # argument lists handed on: none, or all after `--`
+            assert f.name not in arguments or arguments[f.name].nargs == argparse.REMAINDER
             continue
         argument = arguments[f.name]
         first_words = docs[f.name].replace("``", "").rstrip(".").split()[1:4]

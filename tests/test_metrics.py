@@ -25,7 +25,8 @@ SAMPLE = re.compile(r"^(hscapture_[a-z_]+) (-?[0-9]+(?:\.[0-9]+)?(?:e[+-]?[0-9]+
 STATS_LINE = re.compile(
     r"^hscapture consume: [\d,]+ rows captured, [\d,]+ dropped by the producer \| written [\d,]+ rows, [\d,.]+ MB "
     r"\([\d,]+ rows/s, [\d,.]+ MB/s\) \| lag [\d,]+ rows unreleased, [\d,]+ unwritten \| "
-    r"(ring \d+/\d+ slots in use|no producer attached) \| [\d,]+ requests finished$"
+    r"(ring \d+/\d+ slots in use|no producer attached) \| [\d,]+ requests finished"
+    r"( \| capture failed in the producer: .+)?$"
 )
 
 
@@ -146,6 +147,46 @@ def test_metrics_endpoint_and_stats_lines_during_a_real_run(tmp_path: Path, endp
     assert len(stats) >= 4
     assert all(STATS_LINE.match(line) for line in stats), stats
     assert any("slots in use" in line for line in stats) and "no producer attached" in stats[-1]
+
+
+def test_a_capture_failure_in_the_producer_is_logged_shown_counted_stored_and_ends_exit_on_eos(
+    tmp_path: Path, endpoint: str
+) -> None:
+    from hscapture.integrations.sglang_offline import capture_failure
+
+    error = "RuntimeError: SGLang's aux states are 384 wide,\nnot 2 layers [2, 3] of hidden size 128"
+    flat = "RuntimeError: SGLang's aux states are 384 wide, not 2 layers [2, 3] of hidden size 128"
+    # A long-lived consumer (as beside a live server): the failure stays on its stats line and in the metric.
+    live = ConsumerProcess(
+        endpoint, tmp_path / "live", "--heartbeat-ms", "50", "--stats-s", "0.5", "--metrics-port", "0"
+    )
+    try:
+        url = live.wait_for_line(r"metrics at (http://\S+/metrics)").group(1)
+        producer = make_producer(make_config(endpoint))
+        wait_attached(producer)
+        workload = Workload(seed=11)
+        for _ in range(10):
+            workload.step(producer)
+        producer.close(error=error)
+        live.wait_for_line(f"ERROR run {producer.run_id}: capture failed in the producer: {re.escape(flat)}")
+        line = live.wait_for_line(
+            r"^hscapture consume: .*no producer attached.* \| capture failed in the producer: (.*)$"
+        )
+        assert line.group(1) == flat and STATS_LINE.match(line.group(0)), line.group(0)
+        assert scrape(url)["hscapture_producer_failures_total"] == 1
+    finally:
+        assert live.stop() == 0, "\n".join(live.lines)
+    store = open_store(tmp_path / "live")
+    assert store.metadata()["runs"][-1]["end"]["reason"] == f"capture failed in the producer: {flat}"
+    assert capture_failure(tmp_path / "live") == f"capture failed in the producer: {flat}"
+    assert all(store.record(rid)["status"] == "incomplete" for rid in workload.running)  # cut off by the failure
+    # With --exit-on-eos (extract, serve) the consumer exits with status 1 after a failed run, 0 after a clean one.
+    for failure, expected in (("OSError: ring gone", 1), ("", 0)):
+        once = ConsumerProcess(endpoint, tmp_path / f"once-{expected}", "--heartbeat-ms", "50", "--exit-on-eos")
+        producer = make_producer(make_config(endpoint))
+        wait_attached(producer)
+        producer.close(error=failure)
+        assert once.stop() == expected, "\n".join(once.lines)
 
 
 def test_quiet_prints_no_stats_and_a_taken_port_is_a_clear_error(tmp_path: Path, endpoint: str) -> None:

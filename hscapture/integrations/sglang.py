@@ -2,8 +2,12 @@
 
 SGLang loads every entry point of the ``sglang.srt.plugins`` group in each of its processes
 (``srt/plugins/__init__.py:load_plugins``). This one is inert unless :data:`ENV` holds capture
-settings; then it registers three hooks through SGLang's ``HookRegistry`` (no source edits):
+settings; then it registers four hooks through SGLang's ``HookRegistry`` (no source edits):
 
+* AFTER ``TpModelWorker.init_attention_backends``: the model is loaded and SGLang has set its
+  aux layers (before any CUDA graph is captured). The plugin checks the model against
+  :mod:`hscapture.integrations.sglang_models` (which tensor this architecture captures, which
+  layers) and starts the producer; anything wrong stops SGLang from starting, with the reason.
 * AFTER ``TpModelWorker.forward_batch_generation``: the forward output and the batch's
   requests meet here. With ``--enable-return-aux-hidden-states --speculative-algorithm EAGLE3``
   SGLang keeps, for every token of every batch, the concatenated aux states
@@ -28,6 +32,11 @@ stream) and the rows are announced (``Producer.announce_step``) from a later
 ``output_ids``) holds their token ids: under overlap that is the result of the step before,
 processed right after this forward was launched. A request is finished only after every row
 of it is announced.
+
+A failure once serving runs never takes serving down: the plugin logs the cause, ends the
+producer's run with it (the consumer records it in the store, logs it, shows it on its stats
+line and counts it in ``hscapture_producer_failures_total``; ``hscapture consume --exit-on-eos``
+then exits with status 1, which ends an ``hscapture extract`` at once) and serves on without capture.
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ CLOSE_RPC = "hscapture_close"
 #: ``sampling_params["custom_params"]`` key: flat ``[start, end, start, end, ...]`` loss mask.
 LOSS_MASK_PARAM = "hscapture_loss_mask"
 
+_MODEL_LOADED = "sglang.srt.managers.tp_worker.TpModelWorker.init_attention_backends"
 _FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 _BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 _RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
@@ -106,6 +116,9 @@ class PluginSettings:
     block_timeout_s: float = 120.0
     #: Facts stored with the run (model path, launcher, ...).
     meta: dict[str, Any] = field(default_factory=dict)
+    #: hscapture layer ids the launcher asked SGLang for; the plugin refuses a model that captures
+    #: others. None: whatever SGLang's aux flags chose.
+    layers: list[int] | None = None
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -188,6 +201,7 @@ def load_plugin() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     capture = SGLangCapture(PluginSettings.from_env(raw))
+    HookRegistry.register(_MODEL_LOADED, capture.after_model_load, HookType.AFTER)
     HookRegistry.register(_FORWARD, capture.after_forward, HookType.AFTER)
     HookRegistry.register(_BATCH_RESULT, capture.after_batch_result, HookType.AFTER)
     HookRegistry.register(_RPC, capture.around_rpc, HookType.AROUND)
@@ -241,6 +255,11 @@ class SGLangCapture:
         self.settings = settings
         self.producer: Any = None
         self.enabled = True
+        #: Set at model load: the layers SGLang's aux output holds, in order, and their width.
+        self.layers: tuple[int, ...] = ()
+        self.hidden = 0
+        #: Whether SGLang's first output matched what the model load promised.
+        self.checked = False
         #: Next position each running request has not sent yet (skips re-prefilled rows).
         self.sent_upto: dict[str, int] = {}
         #: Forwards written to the ring, oldest first, not announced yet.
@@ -250,6 +269,11 @@ class SGLangCapture:
 
     # --- hooks -------------------------------------------------------------------------
 
+    def after_model_load(self, result: Any, worker: Any, *args: Any, **kwargs: Any) -> None:
+        """Check the loaded model and start the producer; raising here stops SGLang before it serves."""
+        if not getattr(worker, "is_draft_worker", False):
+            self._start(worker)
+
     def after_forward(self, result: Any, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
         if not self.enabled or batch is None or kwargs.get("is_verify") or not batch.reqs:
             return
@@ -258,9 +282,8 @@ class SGLangCapture:
             return
         try:
             self._capture(worker, batch, output)
-        except Exception:  # capture must never take serving down: log, stop capturing, serve on
-            log.exception("hscapture: capture failed; capture is now off for this process, serving goes on")
-            self._shut("capture failed")
+        except Exception as exc:  # capture must never take serving down: say why, stop capturing, serve on
+            self._fail(exc)
 
     def after_batch_result(self, result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
         if self.producer is None or not self.enabled:
@@ -275,9 +298,8 @@ class SGLangCapture:
             if not self.served:  # no forward wrote since the last result: the engine may be idle
                 self.producer.poll()
             self.served = False
-        except Exception:
-            log.exception("hscapture: finishing requests failed; capture is now off for this process")
-            self._shut("capture failed")
+        except Exception as exc:
+            self._fail(exc)
 
     def around_rpc(self, original: Any, scheduler: Any, request: Any) -> Any:
         if getattr(request, "method", None) != CLOSE_RPC:
@@ -297,9 +319,7 @@ class SGLangCapture:
                 "SGLang returned no aux hidden states: start it with " + " ".join(server_args()) + " (hscapture serve "
                 "and hscapture extract --engine sglang add them)"
             )
-        producer = self.producer if self.producer is not None else self._start(worker, aux, last)
-        if producer is None:
-            return
+        producer = self.producer if self.checked else self._check_first_output(aux, last)
         rids, reqs, firsts, counts, positions, keep, total = self._rows(batch)
         if aux.shape[0] != total:
             raise RuntimeError(
@@ -392,41 +412,45 @@ class SGLangCapture:
         self.producer.finish_request(req.rid, reason, num_tokens=num_tokens, loss_mask=loss_mask, meta=meta)
         self.sent_upto.pop(req.rid, None)
 
-    def _start(self, worker: Any, aux: torch.Tensor, last: torch.Tensor | None) -> Any:
-        """Create the producer at the first forward, when the model's shapes are known."""
+    def _start(self, worker: Any) -> None:
+        """At model load: check the architecture and its aux layers, then create the producer.
+
+        Raises:
+            RuntimeError: pipeline parallelism, or a model whose capture hscapture cannot describe
+                (see :func:`hscapture.integrations.sglang_models.captured_layers`).
+        """
+        from hscapture.integrations.sglang_models import captured_layers
         from hscapture.producer import Producer
 
         parallel = _parallel()
         if int(getattr(parallel, "pp_size", 1)) > 1:
             raise RuntimeError("hscapture cannot capture with pipeline parallelism (--pp-size > 1); use TP or DP")
+        runner = worker.model_runner
+        model_config = runner.model_config
+        num_layers = model_config.num_hidden_layers
+        arch, self.layers = captured_layers(runner.model, num_layers, self.settings.layers)
+        self.hidden = model_config.hidden_size
         if int(getattr(parallel, "attn_tp_rank", 0)) != 0:  # TP ranks hold identical states: rank 0 publishes
             self.enabled = False
-            return None
-        model = worker.model_runner.model
-        captured = list(getattr(model.model, "layers_to_capture", []))
-        self.hidden = aux.shape[1] // max(1, len(captured))
-        if not captured or self.hidden * len(captured) != aux.shape[1]:
-            raise RuntimeError(f"cannot split aux states of width {aux.shape[1]} into layers {captured}")
-        if self.settings.capture_last and last is None:
-            raise RuntimeError("SGLang returned no last_hidden_states; set capture_last false or update SGLang")
+            return
         # One stream per DP group: attention-DP ranks inside one TP group, or DP replicas.
         dp_size = int(getattr(parallel, "dp_size", 1) or 1)
         replica = getattr(parallel, "dp_rank", None)
         dp_rank = int(replica if replica is not None else getattr(parallel, "attn_dp_rank", 0))
-        num_layers = worker.model_runner.model_config.num_hidden_layers
         max_rows = int(getattr(worker, "max_num_tokens", 0) or 8192)
+        device = "cpu" if str(runner.device) == "cpu" else f"cuda:{torch.cuda.current_device()}"
         config = CaptureConfig(
-            layers=tuple(captured),
+            layers=self.layers,
             hidden_size=self.hidden,
             num_layers=num_layers,
             capture_last=self.settings.capture_last,
-            dtype=dtype_name(aux.dtype),
+            dtype=dtype_name(model_config.dtype),
             slot_bytes=self.settings.slot_bytes,
             ring_bytes=self.settings.ring_bytes,
             max_step_rows=max_rows,
             policy=self.settings.policy,  # type: ignore[arg-type]
             endpoint=endpoint_for(self.settings.endpoint, dp_rank, dp_size),
-            device="cpu" if aux.device.type == "cpu" else str(aux.device),
+            device=device,
             block_timeout_s=self.settings.block_timeout_s,
         )
         import sglang
@@ -434,23 +458,46 @@ class SGLangCapture:
         meta = {
             "engine": "sglang",
             "sglang_version": sglang.__version__,
-            "model": str(worker.model_runner.model_config.model_path),
-            "architecture": type(model).__name__,
-            "sglang_layers_to_capture": captured,
+            "model": str(model_config.model_path),
+            "architecture": arch.name,
+            "sglang_layers_to_capture": list(self.layers),
             "dp_rank": dp_rank,
             "dp_size": dp_size,
             **self.settings.meta,
         }
-        self.producer = Producer(config, tensor_descriptions=describe(captured, self.settings.capture_last), meta=meta)
-        log.info("hscapture: capturing layers %s (+last=%s) to %s", captured, config.capture_last, config.endpoint)
+        descriptions = arch.describe(self.layers, self.settings.capture_last)
+        self.producer = Producer(config, tensor_descriptions=descriptions, meta=meta)
+        log.info("hscapture: capturing layers %s (+last=%s) to %s", self.layers, config.capture_last, config.endpoint)
+
+    def _check_first_output(self, aux: torch.Tensor, last: torch.Tensor | None) -> Any:
+        """SGLang's first aux output must be what the model load promised; returns the producer."""
+        if self.producer is None:
+            raise RuntimeError(f"no producer: SGLang never called {_MODEL_LOADED}, where hscapture starts it")
+        width = self.hidden * len(self.layers)
+        if aux.shape[1] != width:
+            raise RuntimeError(
+                f"SGLang's aux states are {aux.shape[1]} wide, not {len(self.layers)} layers {list(self.layers)} "
+                f"of hidden size {self.hidden}"
+            )
+        if dtype_name(aux.dtype) != self.producer.config.dtype:
+            raise RuntimeError(f"SGLang's aux states are {aux.dtype}, not the model's {self.producer.config.dtype}")
+        if self.settings.capture_last and last is None:
+            raise RuntimeError("SGLang returned no last_hidden_states; set capture_last false or update SGLang")
+        self.checked = True
         return self.producer
 
-    def _shut(self, why: str) -> None:
+    def _fail(self, exc: BaseException) -> None:
+        """Capture failed while serving: log the cause, end the producer's run with it, serve on."""
+        cause = f"{type(exc).__name__}: {exc}"
+        log.error("hscapture: capture failed, serving goes on without it: %s", cause, exc_info=exc)
+        self._shut("capture failed", error=cause)
+
+    def _shut(self, why: str, error: str = "") -> None:
         self.enabled = False
         producer, self.producer = self.producer, None
         if producer is not None:
             try:
-                producer.close()
+                producer.close(error=error)
             except Exception:
                 log.exception("hscapture: closing the producer (%s) failed", why)
 
@@ -489,15 +536,3 @@ def _tokens(pending: _Pending) -> np.ndarray | None:
             part = [*part, *[-1] * (count - len(part))]
         tokens.extend(part)
     return np.frombuffer(tokens, dtype=np.int64)
-
-
-def describe(captured: Sequence[int], capture_last: bool) -> list[str]:
-    """What each stored tensor is, in SGLang's words and hscapture's."""
-    out = [
-        f"residual stream entering decoder layer {k} (hidden + residual before its input norm); "
-        f"SGLang layers_to_capture {k} (EAGLE-3 aux id {k - 1} for Llama), HF output_hidden_states[{k}]"
-        for k in captured
-    ]
-    if capture_last:
-        out.append("final hidden state after the model's last norm (SGLang last_hidden_states, LM head input)")
-    return out

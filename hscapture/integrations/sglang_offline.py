@@ -12,10 +12,13 @@ consumer process writes the store, as in live serving. Two modes:
 
 from __future__ import annotations
 
+import asyncio
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -33,31 +36,17 @@ from hscapture.extract import (
 )
 from hscapture.integrations.sglang import (
     CLOSE_RPC,
-    CPU_ENGINE_KWARGS,
+    CPU_SERVER_ARGS,
     ENV,
     LOSS_MASK_PARAM,
     PluginSettings,
-    engine_kwargs,
+    server_args,
     use_cpu_host_env,
 )
+from hscapture.integrations.sglang_models import LaunchPlan, launch_plan
 from hscapture.reader import open_store
 
 MODES = ("teacher", "regenerate")
-
-
-def sglang_layer_ids(layers: Sequence[int], model_type: str) -> list[int]:
-    """SGLang's ``--return-aux-hidden-state-layer-ids`` that capture hscapture layers ``layers``.
-
-    SGLang's Llama-style setters capture ``id + 1``; DeepSeek's take ids as given unless the
-    first one is 1 (then ``id + 1`` as well).
-    """
-    if model_type.startswith("deepseek"):
-        if layers and layers[0] == 1:
-            raise ValueError("--layers: SGLang's DeepSeek setter cannot capture layer 1 first; list another first")
-        return list(layers)
-    if any(k < 1 for k in layers):
-        raise ValueError(f"--layers: SGLang captures layer inputs from layer 1 on; got {list(layers)}")
-    return [k - 1 for k in layers]
 
 
 def regenerate_prompt(sample: Sample) -> list[int]:
@@ -70,16 +59,13 @@ def extract_with_sglang(options: ExtractOptions) -> ExtractSummary:
     """``hscapture extract --engine sglang``; same store layout and resume rules as the HF engine."""
     if options.mode not in MODES:
         raise ValueError(f"--mode: {options.mode!r} is unknown; use one of {MODES}")
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from hscapture.tiny import ensure_tiny_model
 
     model_path = options.model if options.model is not None else ensure_tiny_model()
-    if not (model_path / "config.json").exists():
-        raise ValueError(f"--model: {str(model_path)!r} has no config.json; give a local HF model directory")
+    plan = launch_plan(model_path, options.layers)  # refuses what SGLang's capture cannot give, before it starts
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model_type = AutoConfig.from_pretrained(model_path).model_type
-    layer_ids = sglang_layer_ids(options.layers, model_type) if options.layers is not None else None
     data = options.data if options.data is not None else default_data_path()
     skip = done_keys(options.out)
     samples = list(load_samples(data, tokenizer, options.max_length, skip_keys=skip))[: options.limit]
@@ -92,7 +78,10 @@ def extract_with_sglang(options: ExtractOptions) -> ExtractSummary:
         use_cpu_host_env()
     endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-sglang-{os.getpid()}"
     meta = {"model": str(model_path), "data": str(data), "mode": options.mode, "launcher": "hscapture extract"}
-    settings = PluginSettings(endpoint=endpoint, capture_last=options.capture_last, policy="block", meta=meta)
+    meta["server_args"] = options.sglang_args
+    settings = PluginSettings(
+        endpoint=endpoint, capture_last=options.capture_last, policy="block", meta=meta, layers=list(plan.layers)
+    )
     os.environ[ENV] = settings.to_env()  # read by the plugin in SGLang's scheduler process
     consumer = start_consumer(endpoint, options)
     started = time.monotonic()
@@ -100,14 +89,7 @@ def extract_with_sglang(options: ExtractOptions) -> ExtractSummary:
     try:
         import sglang
 
-        engine = sglang.Engine(
-            model_path=str(model_path),
-            log_level="error",
-            disable_radix_cache=True,  # a prefix-cache hit would leave its positions uncaptured
-            dtype=options.dtype or "auto",
-            **(CPU_ENGINE_KWARGS if on_cpu else {"device": options.device}),
-            **engine_kwargs(layer_ids),
-        )
+        engine = sglang.Engine(server_args=_server_args(model_path, options, plan))
     except BaseException:
         consumer.kill()
         raise
@@ -117,27 +99,35 @@ def extract_with_sglang(options: ExtractOptions) -> ExtractSummary:
         bar = tqdm(total=len(samples), unit="sample", disable=not options.progress)
         with bar:
             for start in range(0, len(samples), options.max_batch_size):
-                if consumer.poll() is not None:
-                    raise HSCaptureError(f"consumer exited with code {consumer.returncode}; see its message above")
                 batch = samples[start : start + options.max_batch_size]
-                tokens += _generate(engine, batch, options)
+                tokens += _generate(engine, batch, options, consumer)
                 bar.update(len(batch))
         engine.collective_rpc(CLOSE_RPC)  # end of stream: the consumer finishes the store and exits
         code = wait_consumer(consumer)
+        if code != 0:
+            raise _consumer_error(code, options.out)
     finally:
         if consumer.poll() is None:
             consumer.terminate()
             wait_consumer(consumer)
         engine.shutdown()
-    if code != 0:
-        raise HSCaptureError(f"consumer exited with code {code}; the store at {options.out} keeps what was committed")
     store = open_store(options.out)
-    _check_layers(store, options.layers)
+    _check_layers(store, plan.layers)
     return ExtractSummary(len(samples), tokens, time.monotonic() - started, len(skip), store.summary())
 
 
-def _generate(engine: Any, batch: list[Sample], options: ExtractOptions) -> int:
-    """One ``generate`` call over a batch; returns the tokens captured."""
+def _server_args(model_path: Path, options: ExtractOptions, plan: LaunchPlan) -> Any:
+    """SGLang's arguments, parsed by SGLang: ours, then the user's ``-- <sglang args>``, then the capture flags."""
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = ["--model-path", str(model_path), "--log-level", "error", "--dtype", options.dtype or "auto"]
+    argv += ["--disable-radix-cache"]  # a prefix-cache hit would leave its positions uncaptured
+    argv += CPU_SERVER_ARGS if options.device == "cpu" else ["--device", options.device]
+    return prepare_server_args([*argv, *options.sglang_args, *server_args(plan.sglang_ids)])
+
+
+def _generate(engine: Any, batch: list[Sample], options: ExtractOptions, consumer: subprocess.Popen) -> int:
+    """One generate call over a batch, stopped at once if the consumer exits; returns the tokens captured."""
     if options.mode == "teacher":
         prompts = [s.input_ids for s in batch]
         params = [
@@ -151,11 +141,41 @@ def _generate(engine: Any, batch: list[Sample], options: ExtractOptions) -> int:
     else:
         prompts = [regenerate_prompt(s) for s in batch]
         params = [{"max_new_tokens": options.max_new_tokens, "temperature": options.temperature} for _ in batch]
-    outputs = engine.generate(input_ids=prompts, sampling_params=params, rid=[s.key for s in batch])
+    generation = engine.async_generate(input_ids=prompts, sampling_params=params, rid=[s.key for s in batch])
+    outputs = engine.loop.run_until_complete(_watched(generation, consumer, options.out))
     return sum(len(p) + len(o["output_ids"]) - 1 for p, o in zip(prompts, outputs))
 
 
-def _check_layers(store: Any, wanted: Sequence[int] | None) -> None:
+async def _watched(generation: Awaitable[Any], consumer: subprocess.Popen, out: Path) -> Any:
+    """Await SGLang's answer, checking the consumer meanwhile: it exits when capture fails inside SGLang."""
+    task = asyncio.ensure_future(generation)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.2)
+        if not task.done() and consumer.poll() is not None:
+            task.cancel()
+            raise _consumer_error(consumer.returncode, out, "; SGLang's generation was stopped")
+    return task.result()
+
+
+def capture_failure(out: Path) -> str:
+    """The store's record of why its last run ended, if capture failed in the producer ('' otherwise)."""
+    try:
+        end = open_store(out).metadata()["runs"][-1]["end"] or {}
+    except Exception:  # no store yet, or none readable: the consumer's own message says why
+        return ""
+    reason = str(end.get("reason", ""))
+    return reason if reason.startswith("capture failed") else ""
+
+
+def _consumer_error(code: int, out: Path, then: str = "") -> HSCaptureError:
+    """Why the consumer stopped: the producer's original error when capture failed inside SGLang."""
+    failure = capture_failure(out)
+    if failure:
+        return HSCaptureError(f"{failure} (in SGLang's scheduler){then}; the store at {out} keeps what was committed")
+    return HSCaptureError(f"consumer exited with code {code}{then}; see its message above")
+
+
+def _check_layers(store: Any, wanted: Sequence[int]) -> None:
     got = store.metadata()["runs"][-1]["meta"]["config"]["layers"]
-    if wanted is not None and list(got) != list(wanted):
+    if list(got) != list(wanted):
         raise HSCaptureError(f"SGLang captured layers {got}, not the {list(wanted)} asked for")
