@@ -52,8 +52,8 @@ from benchmarks.report import Outcome, SuiteSkipped, SuiteSpec
 from hscapture import CaptureConfig, Producer, open_store
 from hscapture.config import MiB
 from hscapture.consumer import consume_command
-from hscapture.graph import GraphRingWriter
 from hscapture.integrations.hf import describe, eagle3_default_layers
+from hscapture.producer.graph import GraphRingWriter
 
 GiB = 1 << 30
 VARIANTS = ("off", "drop", "block", "dump", "tolist")

@@ -90,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--out", type=Path, help="store directory (appended to if it exists)")
     con.add_argument("--endpoint", default=default_endpoint(), help="producer endpoint (default: %(default)s)")
     con.add_argument("--shard-bytes", type=_size, default=256 * MiB, help="bytes per shard (default 256M)")
-    con.add_argument("--writer-threads", type=int, default=2, help="threads writing shards (default 2)")
+    con.add_argument(
+        "--writer-threads", type=int, help="threads writing shards (default: 2, 4 with --store-dtype fp8; < cores)"
+    )
+    con.add_argument("--shard-buffers", type=int, help="shard buffers in memory (default: writer threads + 2)")
     con.add_argument("--flush-s", type=float, default=30.0, help="write an open shard after this many seconds")
     con.add_argument("--heartbeat-ms", type=int, default=200, help="hello/heartbeat period (default 200)")
     con.add_argument("--exit-on-eos", action="store_true", help="exit at the producer's end of stream")
@@ -285,15 +288,20 @@ def _bench(suite_args: list[str]) -> int:
 
 
 def _consume(args: argparse.Namespace) -> int:
+    import torch
+
     from hscapture.config import ConsumerConfig
     from hscapture.consumer import Consumer
-    from hscapture.metrics import MetricsReporter
+    from hscapture.consumer.metrics import MetricsReporter
+
+    torch.set_num_threads(1)  # no model here: the writer threads are the parallelism (fp8 quantization)
 
     config = ConsumerConfig(
         out_dir=args.out,
         endpoint=args.endpoint,
         shard_bytes=args.shard_bytes,
         writer_threads=args.writer_threads,
+        shard_buffers=args.shard_buffers,
         flush_s=args.flush_s,
         heartbeat_ms=args.heartbeat_ms,
         exit_on_eos=args.exit_on_eos,
@@ -337,7 +345,7 @@ def _verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from hscapture.errors import StoreError
-    from hscapture.verify import ShardCheck, format_report, verify_store
+    from hscapture.store.verify import ShardCheck, format_report, verify_store
 
     def progress(checks: Iterable[ShardCheck], total: int) -> Iterable[ShardCheck]:
         show = sys.stdout.isatty() and total > 4 and not args.json  # a bar over more than a few shards

@@ -20,3 +20,9 @@ class StoreError(HSCaptureError):
 
 class CreditTimeout(HSCaptureError):
     """``block`` policy waited longer than ``block_timeout_s`` for a free ring slot."""
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """Peer-supplied values in messages and logs, cut short so a hostile peer cannot flood a log."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"

@@ -33,8 +33,8 @@ import torch
 from tqdm import tqdm
 
 from hscapture.errors import StoreError
-from hscapture.reader import Store, open_store
-from hscapture.store import write_atomic
+from hscapture.store.files import write_atomic
+from hscapture.store.reader import Store, open_store
 
 FORMATS = ("specforge", "speculators")
 MANIFEST = "hscapture-export.jsonl"

@@ -32,7 +32,7 @@ from hscapture.integrations.sglang import (
     server_args,
 )
 from hscapture.integrations.sglang_offline import sglang_layer_ids
-from hscapture.reader import open_store
+from hscapture.store.reader import open_store
 
 
 @dataclass

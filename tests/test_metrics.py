@@ -16,7 +16,7 @@ import pytest
 
 from hscapture import open_store
 from hscapture.consumer import consume_command
-from hscapture.metrics import DropTally
+from hscapture.consumer.metrics import DropTally
 from tests.conftest import wait_attached
 from tests.workload import Workload, make_config, make_producer
 

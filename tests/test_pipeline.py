@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hscapture import open_store
-from hscapture.verify import verify_store
+from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.workload import Workload, make_config, make_producer
 

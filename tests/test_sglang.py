@@ -26,8 +26,8 @@ import torch
 
 from hscapture.consumer import consume_command
 from hscapture.integrations.sglang import ENV, PluginSettings, load_plugin
-from hscapture.reader import open_store
-from hscapture.verify import verify_store
+from hscapture.store.reader import open_store
+from hscapture.store.verify import verify_store
 
 pytest.importorskip("sglang", reason="SGLang is not installed (pip install -e '.[sglang]')")
 pytestmark = pytest.mark.slow

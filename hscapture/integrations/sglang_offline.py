@@ -1,7 +1,8 @@
 """Offline extraction with ``sglang.Engine``: the states of the engine users serve with.
 
-The engine's scheduler process runs the hscapture plugin (block policy: nothing is lost) and a
-consumer process writes the store, as in live serving. Two modes:
+:class:`SGLangExtraction` is the ``sglang`` engine of ``hscapture extract``. The engine's
+scheduler process runs the hscapture plugin (block policy: nothing is lost) and a consumer
+process writes the store, as in live serving. Two modes:
 
 * ``teacher``: each sample's full token ids are prefilled as given (one generated token is
   discarded), so the store holds one row per dataset token, with the dataset's loss mask.
@@ -13,24 +14,12 @@ consumer process writes the store, as in live serving. Two modes:
 from __future__ import annotations
 
 import os
-import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from hscapture.data import Sample, load_samples
+from hscapture.data import Sample, loss_mask_ranges
 from hscapture.errors import HSCaptureError
-from hscapture.extract import (
-    ExtractOptions,
-    ExtractSummary,
-    default_data_path,
-    done_keys,
-    loss_mask_ranges,
-    start_consumer,
-    wait_consumer,
-)
 from hscapture.integrations.sglang import (
     CLOSE_RPC,
     CPU_ENGINE_KWARGS,
@@ -40,7 +29,6 @@ from hscapture.integrations.sglang import (
     engine_kwargs,
     use_cpu_host_env,
 )
-from hscapture.reader import open_store
 
 MODES = ("teacher", "regenerate")
 
@@ -66,79 +54,102 @@ def regenerate_prompt(sample: Sample) -> list[int]:
     return sample.input_ids[: ranges[-1][0]] if ranges else list(sample.input_ids)
 
 
-def extract_with_sglang(options: ExtractOptions) -> ExtractSummary:
-    """``hscapture extract --engine sglang``; same store layout and resume rules as the HF engine."""
-    if options.mode not in MODES:
-        raise ValueError(f"--mode: {options.mode!r} is unknown; use one of {MODES}")
-    from transformers import AutoConfig, AutoTokenizer
+class SGLangExtraction:
+    """``hscapture extract --engine sglang``: same store layout and resume rules as the HF engine.
 
-    from hscapture.tiny import ensure_tiny_model
+    Args:
+        model: HF model directory (None: the embedded tiny Llama).
+        layers: hscapture layer ids (None: SGLang's EAGLE-3 default).
+        capture_last: also capture the post-norm final state.
+        dtype: the engine's dtype (None: the model's).
+        device: ``cpu`` (SGLang's CPU path) or a GPU device.
+        mode: ``teacher`` or ``regenerate``.
+        max_batch_size: samples per ``generate`` call.
+        max_new_tokens, temperature: regenerate mode's sampling.
 
-    model_path = options.model if options.model is not None else ensure_tiny_model()
-    if not (model_path / "config.json").exists():
-        raise ValueError(f"--model: {str(model_path)!r} has no config.json; give a local HF model directory")
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model_type = AutoConfig.from_pretrained(model_path).model_type
-    layer_ids = sglang_layer_ids(options.layers, model_type) if options.layers is not None else None
-    data = options.data if options.data is not None else default_data_path()
-    skip = done_keys(options.out)
-    samples = list(load_samples(data, tokenizer, options.max_length, skip_keys=skip))[: options.limit]
-    if skip:
-        print(f"resuming {options.out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
-    if not samples:
-        return ExtractSummary(0, 0, 0.0, len(skip), open_store(options.out).summary() if skip else {})
-    on_cpu = options.device == "cpu"
-    if on_cpu:
-        use_cpu_host_env()
-    endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-sglang-{os.getpid()}"
-    meta = {"model": str(model_path), "data": str(data), "mode": options.mode, "launcher": "hscapture extract"}
-    settings = PluginSettings(endpoint=endpoint, capture_last=options.capture_last, policy="block", meta=meta)
-    os.environ[ENV] = settings.to_env()  # read by the plugin in SGLang's scheduler process
-    consumer = start_consumer(endpoint, options)
-    started = time.monotonic()
-    tokens = 0
-    try:
-        import sglang
+    Raises:
+        ValueError: an unknown mode, no model there, or layers SGLang cannot capture.
+    """
 
-        engine = sglang.Engine(
-            model_path=str(model_path),
-            log_level="error",
-            disable_radix_cache=True,  # a prefix-cache hit would leave its positions uncaptured
-            dtype=options.dtype or "auto",
-            **(CPU_ENGINE_KWARGS if on_cpu else {"device": options.device}),
-            **engine_kwargs(layer_ids),
+    def __init__(
+        self,
+        model: Path | None,
+        layers: Sequence[int] | None,
+        capture_last: bool,
+        dtype: str | None,
+        device: str,
+        mode: str,
+        max_batch_size: int,
+        max_new_tokens: int,
+        temperature: float,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"--mode: {mode!r} is unknown; use one of {MODES}")
+        from transformers import AutoConfig, AutoTokenizer
+
+        from hscapture.tiny import ensure_tiny_model
+
+        model_path = Path(model) if model is not None else ensure_tiny_model()
+        if not (model_path / "config.json").exists():
+            raise ValueError(f"--model: {str(model_path)!r} has no config.json; give a local HF model directory")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model_type = AutoConfig.from_pretrained(model_path).model_type
+        self.layers = layers
+        self.layer_ids = sglang_layer_ids(layers, model_type) if layers is not None else None
+        self.model_path, self.capture_last, self.dtype, self.device = model_path, capture_last, dtype, device
+        self.mode, self.max_batch_size = mode, max_batch_size
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.meta: dict[str, Any] = {"model": str(model_path), "mode": mode, "launcher": "hscapture extract"}
+        self.engine: Any = None
+
+    def plan(self, samples: Sequence[Sample]) -> list[list[Sample]]:
+        return [list(samples[i : i + self.max_batch_size]) for i in range(0, len(samples), self.max_batch_size)]
+
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
+        on_cpu = self.device == "cpu"
+        if on_cpu:
+            use_cpu_host_env()
+        settings = PluginSettings(
+            endpoint=endpoint, capture_last=self.capture_last, policy="block", meta={**self.meta, **meta}
         )
-    except BaseException:
-        consumer.kill()
-        raise
-    finally:
-        os.environ.pop(ENV, None)
-    try:
-        bar = tqdm(total=len(samples), unit="sample", disable=not options.progress)
-        with bar:
-            for start in range(0, len(samples), options.max_batch_size):
-                if consumer.poll() is not None:
-                    raise HSCaptureError(f"consumer exited with code {consumer.returncode}; see its message above")
-                batch = samples[start : start + options.max_batch_size]
-                tokens += _generate(engine, batch, options)
-                bar.update(len(batch))
-        engine.collective_rpc(CLOSE_RPC)  # end of stream: the consumer finishes the store and exits
-        code = wait_consumer(consumer)
-    finally:
-        if consumer.poll() is None:
-            consumer.terminate()
-            wait_consumer(consumer)
-        engine.shutdown()
-    if code != 0:
-        raise HSCaptureError(f"consumer exited with code {code}; the store at {options.out} keeps what was committed")
-    store = open_store(options.out)
-    _check_layers(store, options.layers)
-    return ExtractSummary(len(samples), tokens, time.monotonic() - started, len(skip), store.summary())
+        os.environ[ENV] = settings.to_env()  # read by the plugin in SGLang's scheduler process
+        try:
+            import sglang
+
+            self.engine = sglang.Engine(
+                model_path=str(self.model_path),
+                log_level="error",
+                disable_radix_cache=True,  # a prefix-cache hit would leave its positions uncaptured
+                dtype=self.dtype or "auto",
+                **(CPU_ENGINE_KWARGS if on_cpu else {"device": self.device}),
+                **engine_kwargs(self.layer_ids),
+            )
+        finally:
+            os.environ.pop(ENV, None)
+
+    def run(self, batch: list[Sample]) -> int:
+        return _generate(self.engine, batch, self.mode, self.max_new_tokens, self.temperature)
+
+    def waited_s(self) -> float | None:
+        return None  # the producer lives in SGLang's scheduler process
+
+    def end(self) -> None:
+        self.engine.collective_rpc(CLOSE_RPC)  # end of stream: the consumer finishes the store and exits
+
+    def shutdown(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    def check(self, store: Any) -> None:
+        got = store.metadata()["runs"][-1]["meta"]["config"]["layers"]
+        if self.layers is not None and list(got) != list(self.layers):
+            raise HSCaptureError(f"SGLang captured layers {got}, not the {list(self.layers)} asked for")
 
 
-def _generate(engine: Any, batch: list[Sample], options: ExtractOptions) -> int:
+def _generate(engine: Any, batch: list[Sample], mode: str, max_new_tokens: int, temperature: float) -> int:
     """One ``generate`` call over a batch; returns the tokens captured."""
-    if options.mode == "teacher":
+    if mode == "teacher":
         prompts = [s.input_ids for s in batch]
         params = [
             {
@@ -150,12 +161,6 @@ def _generate(engine: Any, batch: list[Sample], options: ExtractOptions) -> int:
         ]
     else:
         prompts = [regenerate_prompt(s) for s in batch]
-        params = [{"max_new_tokens": options.max_new_tokens, "temperature": options.temperature} for _ in batch]
+        params = [{"max_new_tokens": max_new_tokens, "temperature": temperature} for _ in batch]
     outputs = engine.generate(input_ids=prompts, sampling_params=params, rid=[s.key for s in batch])
     return sum(len(p) + len(o["output_ids"]) - 1 for p, o in zip(prompts, outputs))
-
-
-def _check_layers(store: Any, wanted: Sequence[int] | None) -> None:
-    got = store.metadata()["runs"][-1]["meta"]["config"]["layers"]
-    if wanted is not None and list(got) != list(wanted):
-        raise HSCaptureError(f"SGLang captured layers {got}, not the {list(wanted)} asked for")

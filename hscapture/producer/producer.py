@@ -39,8 +39,7 @@ import zmq
 
 from hscapture import protocol
 from hscapture.config import CaptureConfig, dtype_name
-from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError
-from hscapture.protocol import short_repr
+from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError, short_repr
 from hscapture.ring import Ring, create_ring
 from hscapture.transport import (
     announce_endpoint,

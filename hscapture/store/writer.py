@@ -1,179 +1,136 @@
-"""The on-disk store: safetensors shards plus an append-only JSONL index (see FORMAT.md).
+"""Writing a store: rows in, shards and index lines out (see FORMAT.md).
 
-The writer knows nothing of models: it receives chunks of rows (``[num_tensors, rows,
-hidden]`` bytes plus per-row request, position and token id), packs them into shard
-buffers, and hands full shards to writer threads. A shard becomes visible only after it
-was written to a temp file, fsync'd and renamed, and only then does the index get its
-``shard`` line; a request's line follows once every shard holding its rows is durable.
-So a crash at any moment leaves an index that lists only complete shards and requests.
+The writer speaks rows. Its caller (the consumer) begins a run with the rows' geometry, then
+for each batch of rows: :meth:`StoreWriter.reserve` hands out destination views in shard
+buffers, the caller copies the rows' bytes into them (asynchronously if it likes), and
+:meth:`StoreWriter.commit` says they landed and whose they are (request, position, token).
+:meth:`StoreWriter.finish_request` closes a request. A shard whose rows are all reserved and
+committed goes to a writer thread (written straight from its buffer, fsync'd, renamed); only
+then is it listed in the index, and a request's line follows once every shard holding its rows
+is listed. So a crash at any moment leaves an index that lists only complete shards and requests.
 """
 
 from __future__ import annotations
 
-import fcntl
-import functools
 import json
 import logging
 import os
 import queue
 import time
-import zlib
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-import safetensors.torch
-import torch
 
-from hscapture import protocol
-from hscapture.config import DTYPES, store_dtype_name
+from hscapture.config import DTYPES, default_writer_threads, store_dtype_name
 from hscapture.errors import StoreError
-from hscapture.fp8 import FP8_NAME, quantize_rows, scale_name
-from hscapture.ring import RingReader
+from hscapture.fp8 import FP8_NAME
+from hscapture.store.files import lock_store, write_atomic
+from hscapture.store.format import (
+    INDEX_FILE,
+    META_FILE,
+    STORE_FORMAT,
+    STORE_VERSION,
+    check_store_dtype,
+    read_index,
+    read_meta,
+    shard_name,
+)
+from hscapture.store.index import KEPT, IndexLog
+from hscapture.store.records import Finish, Request, request_record
+from hscapture.store.recovery import recover_open_runs
+from hscapture.store.shards import ShardBuffer, ShardSpec, new_buffer, write_shard
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT = "hscapture-store"
-STORE_VERSION = 1
-INDEX_FILE = "index.jsonl"
-META_FILE = "meta.json"
-LOCK_FILE = ".lock"
-#: What a failed write leaves, said in every such error.
-_KEPT = "what the index lists is intact; free space (or fix the disk) and run again to continue"
 
+@dataclass(frozen=True)
+class RowGeometry:
+    """What one stored row is: a ``[hidden_size]`` vector of ``dtype`` for each named tensor."""
 
-def shard_name(shard_id: int) -> str:
-    return f"shard-{shard_id:06d}.safetensors"
+    tensor_names: tuple[str, ...]
+    #: One sentence per tensor saying exactly what was captured (kept in ``meta.json``).
+    tensor_descriptions: tuple[str, ...]
+    #: The captured dtype's name (``bfloat16``, ``float16``, ``float32``).
+    dtype: str
+    hidden_size: int
 
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not a storable dtype ({sorted(DTYPES)})")
+        if not self.tensor_names or len(self.tensor_names) != len(self.tensor_descriptions):
+            raise ValueError(f"tensor_names: {list(self.tensor_names)} do not match their descriptions")
+        if self.hidden_size <= 0:
+            raise ValueError(f"hidden_size: {self.hidden_size} must be > 0")
 
-def read_index(root: Path) -> list[dict[str, Any]]:
-    """All complete lines of ``index.jsonl``; a torn last line (crash mid-append) is skipped."""
-    path = root / INDEX_FILE
-    if not path.exists():
-        return []
-    records = []
-    with path.open("rb") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.endswith(b"\n"):
-                log.warning("%s: ignoring torn last line %d", path, number)
-                break
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise StoreError(f"{path}:{number}: not JSON ({exc}); the index is corrupt") from None
-    return records
+    @property
+    def plane_row_bytes(self) -> int:
+        """Bytes of one row of one tensor."""
+        return self.hidden_size * DTYPES[self.dtype].itemsize
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of all tensors."""
+        return len(self.tensor_names) * self.plane_row_bytes
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new, never a torn one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def check_store_dtype(root: Path, requested: str | None) -> None:
-    """Refuse to add rows stored as ``requested`` to an existing store that stores them otherwise.
-
-    ``requested`` None (store as captured, or as the store already does) always fits.
-    """
-    path = root / META_FILE
-    if requested is None or not path.exists():
-        return
-    meta = json.loads(path.read_text())
-    held = meta.get("store_dtype", meta.get("dtype"))
-    if held != requested:
-        raise StoreError(
-            f"{root}: stores rows as {held}, not {requested}; leave --store-dtype unset to continue "
-            "it as it is, or write to another --out directory"
-        )
-
-
-def _lock_store(root: Path, timeout_s: float) -> IO[str]:
-    """Take the store's writer lock (one writer per store), waiting up to ``timeout_s``."""
-    handle = (root / LOCK_FILE).open("a+")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                handle.seek(0)
-                owner = handle.read().strip() or "another process"
-                handle.close()
-                raise StoreError(f"{root}: being written by {owner}; stop it or write to another directory") from None
-            time.sleep(0.1)
-            continue
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}\n")
-        handle.flush()
-        return handle
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def spec(self) -> dict[str, Any]:
+        """The ``meta.json`` fields every run of a store must agree on."""
+        tensors = [{"name": n, "description": d} for n, d in zip(self.tensor_names, self.tensor_descriptions)]
+        return {"dtype": self.dtype, "hidden_size": self.hidden_size, "tensors": tensors}
 
 
 @dataclass
-class _ShardBuffer:
-    """Host buffers for one shard being filled: one ``[capacity, row]`` byte array per tensor."""
-
-    tensors: list[np.ndarray]
-    positions: np.ndarray
-    token_ids: np.ndarray
-    request_index: np.ndarray
-
-
-@dataclass
-class _OpenShard:
+class _Shard:
     shard_id: int
     run_id: str
-    buffer: _ShardBuffer
-    rows: int = 0
+    buffer: ShardBuffer
+    #: Rows handed out by reserve, and rows committed; written once sealed and all committed.
+    reserved: int = 0
+    committed: int = 0
+    sealed: bool = False
     request_lookup: dict[str, int] = field(default_factory=dict)
     opened: float = field(default_factory=time.monotonic)
 
 
 @dataclass
-class _Request:
-    run_id: str
-    spans: list[list[int]] = field(default_factory=list)  # [shard_id, first row, rows]
-    rows: int = 0
-    runs: list[list[int]] = field(default_factory=list)  # position runs [start, end)
-    finished: protocol.RequestFinished | None = None
-    end_reason: str = ""
+class Rows:
+    """Reserved rows in one shard: copy each tensor's bytes into ``planes[t]``, then commit."""
+
+    #: One ``[rows, hidden * itemsize]`` uint8 view per tensor, in geometry order.
+    planes: list[np.ndarray]
+    rows: int
+    _shard: _Shard
+    _start: int
 
 
 @dataclass
-class _RunSpec:
+class Reservation:
+    """Rows handed out by :meth:`StoreWriter.reserve`, in order: one piece per shard they fall in."""
+
+    pieces: list[Rows]
+    rows: int
+
+
+@dataclass
+class _Run:
     run_id: str
-    tensor_names: list[str]
-    dtype: torch.dtype
-    hidden_size: int
-    row_bytes: int
+    geometry: RowGeometry
     rows_per_shard: int
-    #: Quantize rows to fp8 with a per-row scale when writing the shard.
-    fp8: bool = False
+    fp8: bool
 
 
 class StoreWriter:
-    """Writes chunks into shards and the index. One thread calls it (the consumer loop).
+    """Writes rows into shards and the index. One thread calls it (the consumer loop).
 
     Args:
         root: the store directory (created; an existing store is appended to).
-        shard_bytes: target bytes of one shard.
-        writer_threads: threads writing shards in parallel.
+        shard_bytes: target bytes of one shard (of rows as captured; fp8 files are about half).
+        writer_threads: threads writing shards in parallel (None: :func:`~hscapture.config.default_writer_threads`).
+        shard_buffers: shard buffers, each ``shard_bytes`` of host memory (None: writer threads + 2:
+            one filling, one waiting for its last copies, the rest being written).
         flush_s: a shard open longer than this is written even if not full, so streaming
             capture of a quiet server still reaches disk.
         lock_timeout_s: how long to wait for another writer of the same store to finish.
@@ -188,7 +145,8 @@ class StoreWriter:
         self,
         root: Path,
         shard_bytes: int,
-        writer_threads: int = 2,
+        writer_threads: int | None = None,
+        shard_buffers: int | None = None,
         flush_s: float = 30.0,
         lock_timeout_s: float = 30.0,
         store_dtype: str | None = None,
@@ -196,60 +154,72 @@ class StoreWriter:
         self.root = Path(root)
         self.store_dtype = store_dtype_name(store_dtype)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock_store(self.root, lock_timeout_s)
+        self._lock: IO[str] = lock_store(self.root, lock_timeout_s)
         try:
             check_store_dtype(self.root, self.store_dtype)
-            self._open_existing(shard_bytes, writer_threads, flush_s)
+            self._meta = self._load_meta()
+            self._open_existing()
         except BaseException:
             self._lock.close()
             raise
-
-    def _open_existing(self, shard_bytes: int, writer_threads: int, flush_s: float) -> None:
-        """Everything after taking the lock: repair and read the index, start the writers."""
+        fp8 = (self._meta or {}).get("store_dtype", self.store_dtype) == FP8_NAME
+        self.writer_threads = writer_threads or default_writer_threads(fp8)
+        self.shard_buffers = shard_buffers or self.writer_threads + 2
+        if self.shard_buffers < 2:
+            raise ValueError(f"shard_buffers: {self.shard_buffers}; at least 2 (one filling, one being written)")
         self.shard_bytes = shard_bytes
         self.flush_s = flush_s
+        self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
+        self._free: queue.SimpleQueue[ShardBuffer] = queue.SimpleQueue()
+        self._buffers_made = 0
+        self._writing: dict[int, Future[dict[str, Any]]] = {}
+        self._waiting: dict[int, _Shard] = {}  # sealed, some rows not committed yet
+        self._run: _Run | None = None
+        self._shard: _Shard | None = None
+        self._requests: dict[str, Request] = {}
+        self._allocate: Callable[[int], np.ndarray] = _pageable
+        #: Rows committed, and requests whose line is written.
+        self.rows_written = 0
+        self.requests_written = 0
+        #: Rows and bytes of the shards indexed and fsync'd (durable), for live metrics.
+        self.rows_durable = 0
+        self.bytes_durable = 0
+
+    def _open_existing(self) -> None:
+        """After taking the lock: repair the index, close runs a dead writer left open, open the log."""
         self._repair_index()
         records = read_index(self.root)
         self._indexed = {r["id"] for r in records if r["type"] == "shard"}
         self._next_shard = 1 + max(self._indexed, default=-1)
         for stale in self.root.glob("*.tmp"):
             stale.unlink()
-        self._meta = self._load_meta()
-        self._index = (self.root / INDEX_FILE).open("ab")
-        from hscapture.recovery import recover_open_runs  # recovery builds on this module
-
-        for line in recover_open_runs(self.root, records):
-            self._append(line)
-        self._pool = ThreadPoolExecutor(writer_threads, thread_name_prefix="hscapture-writer")
-        self._buffers: queue.Queue[_ShardBuffer] = queue.Queue()
-        self._buffers_made = 0
-        self._max_buffers = writer_threads + 1
-        self._pending: dict[int, Any] = {}  # shard id -> future
-        self._run: _RunSpec | None = None
-        self._shard: _OpenShard | None = None
-        self._requests: dict[str, _Request] = {}
-        self.rows_written = 0
-        self.requests_written = 0
-        #: Rows and bytes of the shards indexed so far (durable), for live metrics.
-        self.rows_durable = 0
-        self.bytes_durable = 0
-        #: Host memory for shard buffers; the CUDA consumer swaps in pinned memory.
-        self.allocate: Callable[[int], np.ndarray] = _pageable
-        #: Called before a shard buffer is handed to a writer: waits for copies still in flight.
-        self.barrier: Callable[[], None] = _nothing
+        self._index = IndexLog(self.root / INDEX_FILE)
+        self._index.append(recover_open_runs(self.root, records))
 
     # ------------------------------------------------------------------ runs
 
-    def begin_run(self, layout: protocol.Layout) -> None:
-        """Start writing rows of a producer run; the store's tensors must match earlier runs."""
+    def begin_run(
+        self,
+        run_id: str,
+        geometry: RowGeometry,
+        meta: dict[str, Any],
+        allocate: Callable[[int], np.ndarray] | None = None,
+    ) -> None:
+        """Start writing rows of a run; the store's tensors must match earlier runs.
+
+        Args:
+            run_id: the run's id, as recorded in the index.
+            geometry: what one row holds.
+            meta: facts about the run (engine, model, capture config) for its ``run`` line.
+            allocate: host memory for shard buffers allocated from now on (e.g. pinned memory a
+                device copies into fastest); by default pageable numpy memory.
+
+        Raises:
+            StoreError: the store holds other tensors.
+        """
         if self._run is not None:
             self.end_run("producer restarted", {})
-        if layout.dtype not in DTYPES:
-            raise StoreError(f"Layout.dtype: {layout.dtype!r} is not a storable dtype ({sorted(DTYPES)})")
-        if len(layout.tensor_names) != len(layout.tensor_descriptions) or not layout.tensor_names:
-            raise StoreError(f"Layout.tensor_names: {layout.tensor_names} do not match their descriptions")
-        tensors = [{"name": n, "description": d} for n, d in zip(layout.tensor_names, layout.tensor_descriptions)]
-        spec = {"dtype": layout.dtype, "hidden_size": layout.hidden_size, "tensors": tensors}
+        spec = geometry.spec()
         if self._meta is None:
             stored_as = {"store_dtype": self.store_dtype} if self.store_dtype is not None else {}
             self._meta = {"format": STORE_FORMAT, "version": STORE_VERSION, **spec, **stored_as}
@@ -260,128 +230,173 @@ class StoreWriter:
                 raise StoreError(
                     f"{self.root}: holds {stored}, the producer sends {spec}; write this run to another --out directory"
                 )
-        dtype = DTYPES[layout.dtype]
-        row_bytes = len(tensors) * layout.hidden_size * dtype.itemsize
-        self._run = _RunSpec(
-            run_id=layout.run_id,
-            tensor_names=list(layout.tensor_names),
-            dtype=dtype,
-            hidden_size=layout.hidden_size,
-            row_bytes=row_bytes,
-            rows_per_shard=max(1, self.shard_bytes // row_bytes),  # fp8 files hold as many rows, in half the bytes
+        if allocate is not None:
+            self._allocate = allocate
+        self._run = _Run(
+            run_id=run_id,
+            geometry=geometry,
+            rows_per_shard=max(1, self.shard_bytes // geometry.row_bytes),  # fp8 files hold as many rows
             fp8=self._meta.get("store_dtype") == FP8_NAME,
         )
-        self._append({"type": "run", "run_id": layout.run_id, "time": time.time(), "meta": layout.meta})
-        if self._buffers_made == 0:  # allocate (pin) the first shard buffer now, not under the first chunk
-            self._buffers_made += 1
-            self._buffers.put(_new_buffer(self._run, self.allocate))
+        self._index.append([{"type": "run", "run_id": run_id, "time": time.time(), "meta": meta}])
+        self._index.flush()  # once per run: the run is on record before its first rows
+        if self._buffers_made == 0:  # allocate (pin) the first shard buffer now, not under the first rows
+            self._free.put(self._new_buffer(self._run))
 
     def end_run(self, reason: str, counters: dict[str, int]) -> None:
         """Write the open shard, wait for all writes, and close every request of the run.
 
-        Requests that never got a finish event are recorded as incomplete with ``reason``.
+        Requests that never got a finish are recorded as incomplete with ``reason``.
+
+        Raises:
+            StoreError: rows were reserved and never committed, or a write failed.
         """
         run = self._run
         if run is None:
             return
-        self._flush_shard()
-        self._wait_writes()
+        self._seal_open()
+        if self._waiting:
+            raise StoreError(f"{self.root}: shards {sorted(self._waiting)} have rows reserved but never committed")
+        for future in list(self._writing.values()):
+            future.exception()
         for request in self._requests.values():
             if request.finished is None and request.run_id == run.run_id:
                 request.end_reason = f"{reason} before the request finished"
         self._commit_ready()
-        self._append({"type": "run_end", "run_id": run.run_id, "reason": reason, "counters": counters})
+        self._index.append([{"type": "run_end", "run_id": run.run_id, "reason": reason, "counters": counters}])
         self._run = None
 
-    # ------------------------------------------------------------------ data
+    # ------------------------------------------------------------------ rows
 
-    def add_chunk(self, chunk: protocol.Chunk, source: RingReader | np.ndarray) -> None:
-        """Copy a chunk's rows into shard buffers.
+    def reserve(self, rows: int, wait: bool = True) -> Reservation | None:
+        """Room for ``rows`` rows, in the open shard and new ones as needed.
 
         Args:
-            chunk: the announcement; the slot holds ``[tensors, row_stride or rows, hidden]``.
-            source: the ring reader to copy from (at ``chunk.offset``; possibly asynchronous,
-                see :attr:`barrier`), or the chunk's bytes themselves as a uint8 array.
+            rows: how many rows.
+            wait: when every shard buffer is busy, wait for a writer thread to free one. With
+                False, return None instead, so the caller can first commit rows it holds (a
+                buffer whose rows are not all committed is never written, so never freed).
+
+        Raises:
+            StoreError: no run began.
         """
         run = self._require_run()
-        rows = chunk.rows
-        positions = protocol.unpack_rows(chunk.positions, rows, "positions")
-        token_ids = protocol.unpack_rows(chunk.token_ids, rows, "token_ids")
-        plane_row = run.row_bytes // len(run.tensor_names)
-        plane_bytes = (chunk.row_stride or rows) * plane_row
-        if isinstance(source, np.ndarray):
-            data = source
+        if rows <= 0:
+            raise ValueError(f"rows: {rows}; reserve at least one")
+        room = 0 if self._shard is None else run.rows_per_shard - self._shard.reserved
+        needed = -(-(rows - room) // run.rows_per_shard) if rows > room else 0
+        if not wait and needed > self._free.qsize() + self.shard_buffers - self._buffers_made:
+            return None
+        pieces: list[Rows] = []
+        left = rows
+        while left:
+            shard = self._open_shard(run)
+            count = min(left, run.rows_per_shard - shard.reserved)
+            at = shard.reserved
+            pieces.append(Rows([p[at : at + count] for p in shard.buffer.planes], count, shard, at))
+            shard.reserved += count
+            left -= count
+            if shard.reserved == run.rows_per_shard:
+                self._seal(shard)
+        return Reservation(pieces, rows)
 
-            def copy(offset: int, dst: np.ndarray) -> None:
-                dst[:] = data[offset - chunk.offset : offset - chunk.offset + dst.nbytes]
-        else:
-            copy = source.copy_into
-        owner = np.repeat(np.arange(len(chunk.request_ids)), chunk.request_rows)
+    def commit(
+        self,
+        reservation: Reservation,
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        positions: np.ndarray,
+        token_ids: np.ndarray,
+    ) -> None:
+        """The reserved rows' bytes have landed; record whose they are.
+
+        Args:
+            reservation: as :meth:`reserve` returned it.
+            request_ids: the requests owning the rows, in row order (a request may recur).
+            request_rows: how many consecutive rows each of them owns.
+            positions: ``[rows]`` int64 position of each row in its request.
+            token_ids: ``[rows]`` int64 token id at that position.
+
+        Raises:
+            ValueError: the counts do not add up to the reservation's rows.
+        """
+        rows = reservation.rows
+        if sum(request_rows) != rows or len(request_ids) != len(request_rows) or len(positions) != rows:
+            raise ValueError(
+                f"commit: {len(request_ids)} requests owning {sum(request_rows)} rows and {len(positions)} positions "
+                f"for {rows} reserved rows"
+            )
+        owner = np.repeat(np.arange(len(request_ids)), request_rows)
         begin = 0
-        while begin < rows:
-            shard = self._open_shard()
-            count = min(rows - begin, run.rows_per_shard - shard.rows)
-            at, end = shard.rows, shard.rows + count
+        for piece in reservation.pieces:
+            shard, at, count = piece._shard, piece._start, piece.rows
             buffer = shard.buffer
-            for plane, target in enumerate(buffer.tensors):
-                copy(chunk.offset + plane * plane_bytes + begin * plane_row, target[at:end].reshape(-1))
-            buffer.positions[at:end] = positions[begin : begin + count]
-            buffer.token_ids[at:end] = token_ids[begin : begin + count]
+            buffer.positions[at : at + count] = positions[begin : begin + count]
+            buffer.token_ids[at : at + count] = token_ids[begin : begin + count]
             mine = owner[begin : begin + count]
-            local = np.full(len(chunk.request_ids), -1, dtype=np.int32)
+            local = np.full(len(request_ids), -1, dtype=np.int32)
             for i in np.unique(mine).tolist():
-                local[i] = shard.request_lookup.setdefault(chunk.request_ids[i], len(shard.request_lookup))
-            buffer.request_index[at:end] = local[mine]
-            self._track(chunk, positions, shard.shard_id, at, begin, begin + count)
-            shard.rows = end
+                local[i] = shard.request_lookup.setdefault(request_ids[i], len(shard.request_lookup))
+            buffer.request_index[at : at + count] = local[mine]
+            self._track(request_ids, request_rows, positions, shard.shard_id, at, begin, begin + count)
+            shard.committed += count
             self.rows_written += count
-            if shard.rows == run.rows_per_shard:
-                self._flush_shard()
+            if shard.sealed and shard.committed == shard.reserved:
+                self._submit(self._waiting.pop(shard.shard_id))
             begin += count
 
-    def finish_request(self, message: protocol.RequestFinished) -> None:
+    def finish_request(self, request_id: str, finish: Finish) -> None:
         """Close a request; its index line is written once its shards are durable."""
         run = self._require_run()
-        request = self._requests.setdefault(message.request_id, _Request(run.run_id))
-        request.finished = message
+        request = self._requests.setdefault(request_id, Request(run.run_id))
+        request.finished = finish
         self._commit_ready()
 
     def tick(self) -> None:
-        """Housekeeping between messages: collect finished writes, flush an old open shard."""
+        """Housekeeping between batches: index finished writes, seal an open shard older than ``flush_s``."""
         shard = self._shard
-        if shard is not None and shard.rows and time.monotonic() - shard.opened > self.flush_s:
-            self._flush_shard()
+        if shard is not None and shard.reserved and time.monotonic() - shard.opened > self.flush_s:
+            self._seal_open()
         self._commit_ready()
 
     def close(self, reason: str = "consumer stopped") -> None:
-        """End the run (if any) and release files and threads. Idempotent."""
-        if self._index.closed:
+        """End the run (if any), write everything out, release files and threads. Idempotent."""
+        if self._lock.closed:
             return
         try:
             self.end_run(reason, {})
         finally:
             self._pool.shutdown(wait=True)
-            self._index.close()
-            self._lock.close()
+            try:
+                self._index.close()
+            finally:
+                self._lock.close()
 
     # ------------------------------------------------------------------ internals
 
-    def _require_run(self) -> _RunSpec:
+    def _require_run(self) -> _Run:
         if self._run is None:
-            raise StoreError("store: data before any run began (no Layout received)")
+            raise StoreError("store: data before any run began (begin_run first)")
         return self._run
 
     def _track(
-        self, chunk: protocol.Chunk, positions: np.ndarray, shard_id: int, at: int, begin: int, end: int
+        self,
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        positions: np.ndarray,
+        shard_id: int,
+        at: int,
+        begin: int,
+        end: int,
     ) -> None:
         """Record, per request, which shard rows it owns and which positions they are.
 
         Plain integer arithmetic per request: a decode step brings one row for each of many
         requests, and numpy calls per request would cost more than the rows themselves.
         """
-        run = self._require_run()
+        run_id = self._require_run().run_id
         offset = 0
-        for request_id, count in zip(chunk.request_ids, chunk.request_rows):
+        for request_id, count in zip(request_ids, request_rows):
             lo, hi = max(offset, begin), min(offset + count, end)
             offset += count
             if hi <= lo:
@@ -390,90 +405,102 @@ class StoreWriter:
                 continue
             request = self._requests.get(request_id)
             if request is None:
-                request = self._requests[request_id] = _Request(run.run_id)
-            row, spans = at + lo - begin, request.spans
-            if spans and spans[-1][0] == shard_id and spans[-1][1] + spans[-1][2] == row:
-                spans[-1][2] += hi - lo
-            else:
-                spans.append([shard_id, row, hi - lo])
-            request.rows += hi - lo
-            _add_runs(request.runs, positions[lo:hi])
+                request = self._requests[request_id] = Request(run_id)
+            request.add(shard_id, at + lo - begin, positions[lo:hi])
 
-    def _open_shard(self) -> _OpenShard:
+    def _open_shard(self, run: _Run) -> _Shard:
         if self._shard is None:
-            run = self._require_run()
-            self._shard = _OpenShard(self._next_shard, run.run_id, self._take_buffer(run))
+            self._shard = _Shard(self._next_shard, run.run_id, self._take_buffer(run))
             self._next_shard += 1
         return self._shard
 
-    def _take_buffer(self, run: _RunSpec) -> _ShardBuffer:
+    def _take_buffer(self, run: _Run) -> ShardBuffer:
         try:
-            buffer = self._buffers.get_nowait()
+            return self._free.get_nowait()
         except queue.Empty:
-            if self._buffers_made < self._max_buffers:
-                self._buffers_made += 1
-                return _new_buffer(run, self.allocate)
-            buffer = self._buffers.get()  # all buffers are being written: disk backpressure
-        return buffer  # every run of a store has the same geometry (checked in begin_run)
+            pass
+        if self._buffers_made < self.shard_buffers or all(f.done() for f in self._writing.values()):
+            # Past the limit only when no write could free one: the rest wait for this reservation's
+            # commits (rows spanning more shards than there are buffers).
+            return self._new_buffer(run)
+        return self._free.get()  # every buffer is being written: the disk sets the pace
 
-    def _flush_shard(self) -> None:
-        shard, self._shard = self._shard, None
-        if shard is None:
-            return
-        if shard.rows == 0:
-            self._buffers.put(shard.buffer)
-            self._next_shard -= 1
-            return
+    def _new_buffer(self, run: _Run) -> ShardBuffer:
+        self._buffers_made += 1
+        geometry = run.geometry
+        return new_buffer(len(geometry.tensor_names), run.rows_per_shard, geometry.plane_row_bytes, self._allocate)
+
+    def _seal_open(self) -> None:
+        if self._shard is not None:
+            self._seal(self._shard)
+
+    def _seal(self, shard: _Shard) -> None:
+        """No more rows go into ``shard``; write it once all of its rows are committed."""
+        shard.sealed = True
+        if shard is self._shard:
+            self._shard = None
+        if shard.reserved == 0:
+            self._free.put(shard.buffer)
+            self._next_shard -= 1  # it was the newest id
+        elif shard.committed == shard.reserved:
+            self._submit(shard)
+        else:
+            self._waiting[shard.shard_id] = shard
+
+    def _submit(self, shard: _Shard) -> None:
         run = self._require_run()
-        self.barrier()  # copies into this buffer may still be in flight (CUDA ring)
-        self._pending[shard.shard_id] = self._pool.submit(_write_shard, self.root, shard, run, self._buffers)
-        self._commit_ready()
-
-    def _wait_writes(self) -> None:
-        for future in list(self._pending.values()):
-            future.exception()
+        geometry = run.geometry
+        spec = ShardSpec(
+            shard_id=shard.shard_id,
+            run_id=shard.run_id,
+            rows=shard.committed,
+            names=geometry.tensor_names,
+            dtype=DTYPES[geometry.dtype],
+            hidden_size=geometry.hidden_size,
+            fp8=run.fp8,
+            request_ids=tuple(shard.request_lookup),
+        )
+        self._writing[shard.shard_id] = self._pool.submit(_write_and_free, self.root, spec, shard.buffer, self._free)
         self._commit_ready()
 
     def _commit_ready(self) -> None:
-        """Index every shard whose write finished, then every request whose shards all are."""
-        for shard_id, future in sorted(self._pending.items()):
+        """List every shard whose write finished, then every request whose shards all are listed."""
+        self._index.check()
+        lines = []
+        for shard_id, future in sorted(self._writing.items()):
             if not future.done():
                 continue
-            del self._pending[shard_id]
+            del self._writing[shard_id]
             error = future.exception()
             if error is not None:
-                raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {_KEPT}") from error
-            line = future.result()
-            self._append(line)
+                raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {KEPT}") from error
+            lines.append(future.result())
             self._indexed.add(shard_id)
-            self.rows_durable += line["rows"]
-            self.bytes_durable += line["bytes"]
+        if lines:
+            rows, nbytes = sum(line["rows"] for line in lines), sum(line["bytes"] for line in lines)
+            self._index.append(lines, barrier=True, on_durable=lambda: self._durable(rows, nbytes))
+        done = []
         for request_id, request in list(self._requests.items()):
             if request.finished is None and not request.end_reason:
                 continue
             if not all(s[0] in self._indexed for s in request.spans):
                 continue  # a shard still being written (or whose write failed: then never)
             del self._requests[request_id]
-            self._append(_request_record(request_id, request))
-            self.requests_written += 1
+            done.append(request_record(request_id, request))
+        self._index.append(done)
+        self.requests_written += len(done)
 
-    def _append(self, record: dict[str, Any]) -> None:
-        try:
-            self._index.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-            self._index.flush()
-            os.fsync(self._index.fileno())
-        except OSError as exc:  # a torn line is cut by the next writer; everything before it stands
-            raise StoreError(f"{self.root / INDEX_FILE}: append failed ({exc.strerror}); {_KEPT}") from None
+    def _durable(self, rows: int, nbytes: int) -> None:
+        """On the index thread, once shard lines are fsync'd."""
+        self.rows_durable += rows
+        self.bytes_durable += nbytes
 
     def _load_meta(self) -> dict[str, Any] | None:
-        path = self.root / META_FILE
-        if not path.exists():
-            return None
-        meta = json.loads(path.read_text())
-        if meta.get("format") != STORE_FORMAT or meta.get("version") != STORE_VERSION:
+        meta = read_meta(self.root)
+        if meta is not None and (meta.get("format") != STORE_FORMAT or meta.get("version") != STORE_VERSION):
             raise StoreError(
-                f"{path}: format {meta.get('format')!r} v{meta.get('version')}, expected {STORE_FORMAT!r} "
-                f"v{STORE_VERSION}; write to another directory"
+                f"{self.root / META_FILE}: format {meta.get('format')!r} v{meta.get('version')}, expected "
+                f"{STORE_FORMAT!r} v{STORE_VERSION}; write to another directory"
             )
         return meta
 
@@ -495,234 +522,11 @@ def _pageable(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
-def _nothing() -> None:
-    return None
-
-
-def _new_buffer(run: _RunSpec, allocate: Callable[[int], np.ndarray]) -> _ShardBuffer:
-    width = run.row_bytes // len(run.tensor_names)
-    capacity = run.rows_per_shard
-    return _ShardBuffer(
-        tensors=[allocate(capacity * width).reshape(capacity, width) for _ in run.tensor_names],
-        positions=np.empty(capacity, dtype=np.int64),
-        token_ids=np.empty(capacity, dtype=np.int64),
-        request_index=np.empty(capacity, dtype=np.int32),
-    )
-
-
-def _write_shard(root: Path, shard: _OpenShard, run: _RunSpec, free: queue.Queue[_ShardBuffer]) -> dict[str, Any]:
-    """Runs on a writer thread: serialize, write to a temp file, fsync, rename; free the buffer."""
+def _write_and_free(
+    root: Path, spec: ShardSpec, buffer: ShardBuffer, free: queue.SimpleQueue[ShardBuffer]
+) -> dict[str, Any]:
+    """Runs on a writer thread: write the shard, then give its buffer back."""
     try:
-        return _write_shard_file(root, shard, run)
+        return write_shard(root, spec, buffer)
     finally:
-        free.put(shard.buffer)
-
-
-def _write_shard_file(root: Path, shard: _OpenShard, run: _RunSpec) -> dict[str, Any]:
-    n, buffer = shard.rows, shard.buffer
-    tensors = {
-        name: torch.from_numpy(plane[:n]).view(run.dtype) for name, plane in zip(run.tensor_names, buffer.tensors)
-    }
-    nonfinite: dict[str, int] = {}
-    if run.fp8:
-        for name in run.tensor_names:
-            tensors[name], tensors[scale_name(name)], count = quantize_rows(tensors[name])
-            if count:
-                nonfinite[name] = count
-        if nonfinite:
-            log.warning("shard %d: non-finite values stored as fp8 NaN: %s", shard.shard_id, nonfinite)
-    tensors["positions"] = torch.from_numpy(buffer.positions[:n])
-    tensors["token_ids"] = torch.from_numpy(buffer.token_ids[:n])
-    tensors["request_index"] = torch.from_numpy(buffer.request_index[:n])
-    metadata = {
-        "format": "hscapture-shard",
-        "version": str(STORE_VERSION),
-        "run_id": shard.run_id,
-        "request_ids": json.dumps(list(shard.request_lookup)),
-    }
-    data = safetensors.torch.save(tensors, metadata=metadata)
-    crc32, tensor_crc32 = shard_checksums(data)  # of the bytes about to be written, while they are in memory
-    path = root / shard_name(shard.shard_id)
-    write_atomic(path, data)
-    line = {
-        "type": "shard",
-        "id": shard.shard_id,
-        "file": path.name,
-        "rows": n,
-        "bytes": len(data),
-        "crc32": crc32,
-        "tensor_crc32": tensor_crc32,
-    }
-    return {**line, "nonfinite": nonfinite} if nonfinite else line
-
-
-def shard_checksums(data: bytes) -> tuple[str, dict[str, str]]:
-    """CRC-32 of a serialized shard and of each tensor's data bytes, as 8 lowercase hex digits.
-
-    One pass over ``data``: each tensor's CRC is computed on its own slice (a memoryview, no
-    copy) and folded into the whole-file CRC with :func:`crc32_combine`; the header and any
-    bytes between tensors are fed to the whole-file CRC directly. Tensors are listed in file order.
-    """
-    view = memoryview(data)
-    header_len = int.from_bytes(view[:8], "little")
-    header = json.loads(bytes(view[8 : 8 + header_len]))
-    base = 8 + header_len
-    entries = sorted(
-        ((name, entry["data_offsets"]) for name, entry in header.items() if name != "__metadata__"),
-        key=lambda item: item[1],
-    )
-    whole, at = zlib.crc32(view[:base]), base
-    tensor_crc32 = {}
-    for name, (begin, end) in entries:
-        begin, end = base + begin, base + end
-        if begin > at:
-            whole = zlib.crc32(view[at:begin], whole)
-        crc = zlib.crc32(view[begin:end])
-        tensor_crc32[name] = f"{crc:08x}"
-        whole, at = crc32_combine(whole, crc, end - begin), end
-    if at < len(view):
-        whole = zlib.crc32(view[at:], whole)
-    return f"{whole:08x}", tensor_crc32
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """``zlib.crc32(a + b)`` from ``crc1 = zlib.crc32(a)``, ``crc2 = zlib.crc32(b)`` and ``len2 = len(b)``.
-
-    zlib's ``crc32_combine`` (not exposed by Python): advance ``crc1`` over ``len2`` zero bytes
-    with precomputed GF(2) operators, one per set bit of ``len2``, then xor ``crc2``. About 50 us.
-    """
-    power = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(_crc32_zeros_operator(power), crc1)
-        len2 >>= 1
-        power += 1
-    return crc1 ^ crc2
-
-
-@functools.cache
-def _crc32_zeros_operator(power: int) -> tuple[int, ...]:
-    """The 32x32 GF(2) matrix (one int per column) that advances a CRC-32 over ``2**power`` zero bytes."""
-    if power == 0:
-        matrix: tuple[int, ...] = (0xEDB88320, *(1 << k for k in range(31)))  # one zero bit
-        for _ in range(3):  # 2, 4, 8 bits
-            matrix = _gf2_square(matrix)
-        return matrix
-    return _gf2_square(_crc32_zeros_operator(power - 1))
-
-
-def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
-    total = 0
-    for column in matrix:
-        if not vector:
-            break
-        if vector & 1:
-            total ^= column
-        vector >>= 1
-    return total
-
-
-def _gf2_square(matrix: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(_gf2_times(matrix, column) for column in matrix)
-
-
-def _add_runs(runs: list[list[int]], positions: np.ndarray) -> None:
-    """Append ``positions`` to a list of ``[start, end)`` runs, merging consecutive ones."""
-    if positions.size == 1:  # the decode case, without numpy
-        start = int(positions[0])
-        if runs and runs[-1][1] == start:
-            runs[-1][1] = start + 1
-        else:
-            runs.append([start, start + 1])
-        return
-    if positions.size == 0:
-        return
-    cuts = np.flatnonzero(np.diff(positions) != 1) + 1
-    for piece in np.split(positions, cuts):
-        start, end = int(piece[0]), int(piece[-1]) + 1
-        if runs and runs[-1][1] == start:
-            runs[-1][1] = end
-        else:
-            runs.append([start, end])
-
-
-def _request_record(request_id: str, request: _Request) -> dict[str, Any]:
-    """The index line of a request: where its rows are and whether it is complete, and why not."""
-    finished = request.finished
-    expected = finished.num_tokens if finished is not None and finished.num_tokens else None
-    spans, runs, rows, surplus = _past_end_trimmed(request, expected)
-    merged = _merge(runs)
-    covered = sum(end - start for start, end in merged)
-    upper = expected if expected is not None else (merged[-1][1] if merged else 0)
-    missing = _complement(merged, upper)
-    problems = []
-    if finished is None:
-        problems.append(request.end_reason or "no finish event")
-    elif finished.reason != "finished":
-        problems.append(finished.reason)
-    dropped = finished.dropped_rows if finished is not None else 0
-    if dropped:
-        problems.append(f"producer dropped {dropped} rows")
-    if missing:
-        problems.append(f"{sum(e - s for s, e in missing)} positions missing")
-    if covered != rows:
-        problems.append(f"{rows - covered} duplicate rows")
-    if expected is not None and merged and merged[-1][1] > expected:
-        problems.append(f"positions beyond num_tokens={expected}")
-    return {
-        "type": "request",
-        "id": request_id,
-        "run_id": request.run_id,
-        "status": "incomplete" if problems else "complete",
-        "reason": "; ".join(problems),
-        "rows": rows,
-        "num_tokens": expected if expected is not None else covered,
-        "dropped_rows": dropped,
-        "missing": missing,
-        "spans": spans,
-        **({"surplus_rows": surplus} if surplus else {}),
-        "loss_mask": [list(r) for r in finished.loss_mask] if finished is not None else [],
-        "meta": finished.meta if finished is not None else {},
-    }
-
-
-def _past_end_trimmed(request: _Request, expected: int | None) -> tuple[list[list[int]], list[list[int]], int, int]:
-    """Spans, position runs and rows without trailing rows at positions ``>= num_tokens``.
-
-    An engine that schedules ahead (SGLang's overlap scheduler) runs one more step for a request
-    before it learns that the request finished; that step's row arrives last and lies past the
-    end. Only such a tail is cut (its shard bytes stay, unreferenced); anything else past the end
-    stays and makes the request incomplete.
-    """
-    spans, runs, rows = request.spans, request.runs, request.rows
-    if expected is None or not runs or runs[-1][1] <= expected or not spans:
-        return spans, runs, rows, 0
-    start, end = runs[-1]
-    surplus = end - max(start, expected)
-    if spans[-1][2] < surplus:
-        return spans, runs, rows, 0
-    runs = [*runs[:-1], [start, expected]] if start < expected else runs[:-1]
-    last = spans[-1]
-    spans = [*spans[:-1], [last[0], last[1], last[2] - surplus]] if last[2] > surplus else spans[:-1]
-    return spans, runs, rows - surplus, surplus
-
-
-def _merge(runs: list[list[int]]) -> list[list[int]]:
-    merged: list[list[int]] = []
-    for start, end in sorted(runs):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def _complement(merged: list[list[int]], upper: int) -> list[list[int]]:
-    gaps, cursor = [], 0
-    for start, end in merged:
-        if start > cursor:
-            gaps.append([cursor, min(start, upper)])
-        cursor = max(cursor, end)
-    if cursor < upper:
-        gaps.append([cursor, upper])
-    return [g for g in gaps if g[1] > g[0]]
+        free.put(buffer)
