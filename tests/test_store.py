@@ -321,6 +321,32 @@ def test_data_before_any_run_is_refused(tmp_path: Path, rng: np.random.Generator
         writer.close()
 
 
+def test_reserve_without_waiting_says_when_every_buffer_waits_for_commits(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """A buffer is written (and freed) only once all of its rows are committed: the caller commits first."""
+    request = make_request(3 * ROWS_PER_SHARD, "float32", rng)
+    writer = new_writer(tmp_path, writer_threads=1, shard_buffers=2)
+    writer.begin_run(*make_layout())
+    first = writer.reserve(2 * ROWS_PER_SHARD)  # both buffers, neither committed
+    assert first is not None and [p.rows for p in first.pieces] == [ROWS_PER_SHARD, ROWS_PER_SHARD]
+    assert writer.reserve(1, wait=False) is None
+    planes = request.rows.contiguous().view(torch.uint8).numpy()
+    for piece, start in zip(first.pieces, (0, ROWS_PER_SHARD)):
+        for t, plane in enumerate(piece.planes):
+            plane[:] = planes[t, start : start + piece.rows]
+    n = 2 * ROWS_PER_SHARD
+    writer.commit(first, ["r"], [n], np.arange(n), request.token_ids[:n])
+    second = writer.reserve(ROWS_PER_SHARD)  # waits for a writer thread to free a buffer
+    assert second is not None
+    for t, plane in enumerate(second.pieces[0].planes):
+        plane[:] = planes[t, n:]
+    writer.commit(second, ["r"], [ROWS_PER_SHARD], np.arange(n, n + ROWS_PER_SHARD), request.token_ids[n:])
+    Feed(writer, {}).finish("r", num_tokens=3 * ROWS_PER_SHARD)
+    writer.close()
+    assert_rows(open_store(tmp_path), "r", request, range(3 * ROWS_PER_SHARD))
+
+
 # --------------------------------------------------------------------------- streaming durability
 
 

@@ -221,7 +221,6 @@ class Consumer:
             elif isinstance(message, protocol.RequestFinished):
                 self._on_finished(message)
                 self.stats.requests_finished += 1
-                self.stats.rows_dropped = self._drops.request(message.dropped_rows)
             elif isinstance(message, protocol.EndOfStream):
                 return self._on_end(message)
         except ProtocolError as exc:
@@ -326,6 +325,7 @@ class Consumer:
             begin += piece.rows
 
     def _on_finished(self, message: protocol.RequestFinished) -> None:
+        """Count the request's drops now; hand its end to the store behind the rows announced before it."""
         self.stats.rows_dropped = self._drops.request(message.dropped_rows)
         if self.store is None:
             return

@@ -293,10 +293,13 @@ class HFExtraction:
             time.sleep(0.005)
 
     def capture_config(self, endpoint: str, max_rows: int) -> CaptureConfig:
-        """A block-policy capture of ``max_rows`` rows per step, the ring holding two such steps."""
+        """A block-policy capture of ``max_rows`` rows per step, the ring holding two such steps.
+
+        Slots of 4 MiB (a prefill batch is thousands of rows): fewer announcements and copies per batch.
+        """
         hidden = self.model.config.hidden_size
         row_bytes = len(self.capture.names) * hidden * DTYPES[self.dtype].itemsize
-        slot_bytes = max(MiB, -(-row_bytes // 256) * 256)
+        slot_bytes = max(4 * MiB, -(-row_bytes // 256) * 256)
         slots = max(8, 2 * -(-max_rows // (slot_bytes // row_bytes)))
         return CaptureConfig(
             layers=self.layers,

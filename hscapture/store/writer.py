@@ -240,7 +240,7 @@ class StoreWriter:
         )
         self._index.append([{"type": "run", "run_id": run_id, "time": time.time(), "meta": meta}])
         self._index.flush()  # once per run: the run is on record before its first rows
-        if self._buffers_made == 0:  # allocate (pin) the first shard buffer now, not under the first rows
+        while self._buffers_made < self.shard_buffers:  # allocate (pin) them now, not under the rows
             self._free.put(self._new_buffer(self._run))
 
     def end_run(self, reason: str, counters: dict[str, int]) -> None:
