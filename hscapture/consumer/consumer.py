@@ -269,15 +269,15 @@ class Consumer:
         layout, ring = self._layout, self._ring
         assert layout is not None and ring is not None
         protocol.check_chunk(chunk, layout, self._row_bytes)
-        positions = protocol.unpack_rows(chunk.positions, chunk.rows, "positions")
-        token_ids = protocol.unpack_rows(chunk.token_ids, chunk.rows, "token_ids")
         if chunk.seq <= self._last_seq:
             if self._announced.get(chunk.slot) == (chunk.seq, digest):  # the same announcement again, after a
                 self._send_release(chunk.slot, chunk.seq)  # re-attach: copied already, so release it again
                 return
             raise ProtocolError(f"Chunk.seq: {chunk.seq} after {self._last_seq}; replayed or out of order")
-        self._last_seq = chunk.seq
+        self._last_seq = chunk.seq  # used, even if the chunk is refused below: it cannot be replayed
         self._announced[chunk.slot] = (chunk.seq, digest)
+        positions = protocol.unpack_rows(chunk.positions, chunk.rows, "positions")
+        token_ids = protocol.unpack_rows(chunk.token_ids, chunk.rows, "token_ids")
         if self.config.delay_ms:
             time.sleep(self.config.delay_ms / 1000)
         log.debug("chunk seq %d slot %d rows %d", chunk.seq, chunk.slot, chunk.rows)

@@ -151,6 +151,8 @@ class StoreWriter:
         lock_timeout_s: float = 30.0,
         store_dtype: str | None = None,
     ) -> None:
+        if shard_buffers is not None and shard_buffers < 2:
+            raise ValueError(f"shard_buffers: {shard_buffers}; at least 2 (one filling, one being written)")
         self.root = Path(root)
         self.store_dtype = store_dtype_name(store_dtype)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -165,8 +167,6 @@ class StoreWriter:
         fp8 = (self._meta or {}).get("store_dtype", self.store_dtype) == FP8_NAME
         self.writer_threads = writer_threads or default_writer_threads(fp8)
         self.shard_buffers = shard_buffers or self.writer_threads + 2
-        if self.shard_buffers < 2:
-            raise ValueError(f"shard_buffers: {self.shard_buffers}; at least 2 (one filling, one being written)")
         self.shard_bytes = shard_bytes
         self.flush_s = flush_s
         self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
