@@ -40,10 +40,10 @@ def default_endpoint() -> str:
 
 def default_writer_threads(fp8: bool) -> int:
     """Shard writer threads that keep one disk busy: 2 (one shard in its fsync while the next is
-    checksummed and written), 4 for fp8 (quantizing a shard takes about twice as long as writing
-    it to a 1.5 GB/s disk); never more than the cores less one.
+    checksummed and written); with fp8, which quantizes on them, up to 4 (quantizing a shard takes
+    about twice as long as writing it to a 1.5 GB/s disk), no more than the cores less one.
     """
-    return max(1, min(4 if fp8 else 2, (os.cpu_count() or 2) - 1))
+    return max(2, min(4, (os.cpu_count() or 2) - 1)) if fp8 else 2
 
 
 def store_dtype_name(value: str | None, field_name: str = "store_dtype") -> str | None:

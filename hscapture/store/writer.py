@@ -519,7 +519,10 @@ class StoreWriter:
 
 
 def _pageable(nbytes: int) -> np.ndarray:
-    return np.empty(nbytes, dtype=np.uint8)
+    """Host memory, touched now: a fresh page faults on its first write, which must not happen under the rows."""
+    array = np.empty(nbytes, dtype=np.uint8)
+    array.fill(0)
+    return array
 
 
 def _write_and_free(
