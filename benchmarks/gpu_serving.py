@@ -23,7 +23,8 @@ wall time:
 
 Beside the loop, in the same run: the consumer's drain rate against a plain pinned D2H copy of
 the same bytes (``gpu_ring.bench_drain``), and the store's write rate against a raw sequential
-write of the same bytes to the same directory, both with an fsync at the end.
+write + fsync of the same bytes to the same directory (``store_rate.measure``), rows stored as
+captured (``store``) and as fp8 (``store_fp8``).
 """
 
 from __future__ import annotations

@@ -347,6 +347,26 @@ def test_reserve_without_waiting_says_when_every_buffer_waits_for_commits(
     assert_rows(open_store(tmp_path), "r", request, range(3 * ROWS_PER_SHARD))
 
 
+def test_a_failed_shard_write_lists_the_shards_written_before_it_and_only_their_requests(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """Shard 1 cannot be written (a directory squats its temp name): shard 0 and request a are listed, b never."""
+    requests = {"a": make_request(ROWS_PER_SHARD, "float32", rng), "b": make_request(ROWS_PER_SHARD, "float32", rng)}
+    writer = new_writer(tmp_path, writer_threads=1)
+    (tmp_path / (shard_name(1) + ".tmp")).mkdir()
+    writer.begin_run(*make_layout())
+    feed = Feed(writer, requests)
+    feed.chunk([("a", range(ROWS_PER_SHARD))])
+    feed.chunk([("b", range(ROWS_PER_SHARD))])
+    feed.finish("a", num_tokens=ROWS_PER_SHARD)
+    feed.finish("b", num_tokens=ROWS_PER_SHARD)
+    with pytest.raises(StoreError, match=rf"{shard_name(1)}: write failed: .*what the index lists is intact"):
+        writer.close()
+    store = open_store(tmp_path)
+    assert store.keys() == ["a"] and store.summary()["shards"] == 1
+    assert_rows(store, "a", requests["a"], range(ROWS_PER_SHARD))
+
+
 # --------------------------------------------------------------------------- streaming durability
 
 

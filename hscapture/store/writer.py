@@ -467,16 +467,18 @@ class StoreWriter:
         """List every shard whose write finished, then every request whose shards all are listed."""
         self._index.check()
         lines = []
+        failed: tuple[int, BaseException] | None = None
         for shard_id, future in sorted(self._writing.items()):
             if not future.done():
                 continue
             del self._writing[shard_id]
             error = future.exception()
             if error is not None:
-                raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {KEPT}") from error
+                failed = failed or (shard_id, error)
+                continue  # never listed, so neither is any request with rows in it
             lines.append(future.result())
             self._indexed.add(shard_id)
-        if lines:
+        if lines:  # listed even when another shard's write failed: shards already counted as listed
             rows, nbytes = sum(line["rows"] for line in lines), sum(line["bytes"] for line in lines)
             self._index.append(lines, barrier=True, on_durable=lambda: self._durable(rows, nbytes))
         done = []
@@ -489,6 +491,9 @@ class StoreWriter:
             done.append(request_record(request_id, request))
         self._index.append(done)
         self.requests_written += len(done)
+        if failed is not None:
+            shard_id, error = failed
+            raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {KEPT}") from error
 
     def _durable(self, rows: int, nbytes: int) -> None:
         """On the index thread, once shard lines are fsync'd."""
