@@ -61,7 +61,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/gpu_ring.py` puts benchmarks
 
 from hscapture import CaptureConfig, Producer  # noqa: E402
 from hscapture.config import Policy  # noqa: E402
-from hscapture.graph import GraphRingWriter  # noqa: E402
+from hscapture.producer.graph import GraphRingWriter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MiB = 1 << 20

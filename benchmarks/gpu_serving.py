@@ -23,13 +23,13 @@ wall time:
 
 Beside the loop, in the same run: the consumer's drain rate against a plain pinned D2H copy of
 the same bytes (``gpu_ring.bench_drain``), and the store's write rate against a raw sequential
-write of the same bytes to the same directory, both with an fsync at the end.
+write + fsync of the same bytes to the same directory (``store_rate.measure``), rows stored as
+captured (``store``) and as fp8 (``store_fp8``).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import shutil
@@ -46,14 +46,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks import gpu_ring
+from benchmarks import gpu_ring, store_rate
 from benchmarks.lean_llama import LLAMA_8B, TINY, KVCache, LeanLlama, random_llama
 from benchmarks.report import Outcome, SuiteSkipped, SuiteSpec
 from hscapture import CaptureConfig, Producer, open_store
 from hscapture.config import MiB, ensure_writable_dir
 from hscapture.consumer import consume_command
-from hscapture.graph import GraphRingWriter
 from hscapture.integrations.hf import describe, eagle3_default_layers
+from hscapture.producer.graph import GraphRingWriter
 
 GiB = 1 << 30
 VARIANTS = ("off", "drop", "block", "dump", "tolist")
@@ -750,107 +750,16 @@ def bench_drain(settings: dict[str, Any], device: torch.device) -> dict[str, Any
         gpu_ring.stop_children()
 
 
-def bench_store(settings: dict[str, Any], device: torch.device, work: Path) -> dict[str, Any]:
+def bench_store(settings: dict[str, Any], device: torch.device, work: Path, store_dtype: str | None) -> dict[str, Any]:
     """Store write rate (block producer → consumer → shards on disk) against a raw write of the same bytes.
 
-    The store is timed from the first ``capture_step`` until its index says the run ended (every
-    shard written, fsync'd and indexed); the raw write is one stream of 64 MiB writes with an fsync
-    at the end, into the same directory. Repeats alternate the two.
+    See ``benchmarks/store_rate.py``: timed from the first ``capture_step`` until the index's
+    ``run_end`` line; the raw write is one stream of 64 MiB writes and an fsync, same directory.
     """
-    dims = settings["dims"]
-    layers = eagle3_default_layers(dims["num_hidden_layers"])
-    hidden, tensors = dims["hidden_size"], len(layers) + 1
-    slot = settings["slot_mib"] * MiB
-    rows = slot // (tensors * hidden * 2)
-    steps = max(1, math.ceil(settings["store_gib"] * GiB / (rows * tensors * hidden * 2)))
-    states = [torch.randn(rows, hidden, device=device).to(torch.bfloat16) for _ in range(tensors)]
-    positions, tokens = np.arange(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
-    store_s: list[float] = []
-    raw_s: list[float] = []
-    shard_bytes = 0
-    for repeat in range(settings["store_repeats"]):
-        out = work / f"store-rate-{repeat}"
-        config = CaptureConfig(
-            layers=layers, hidden_size=hidden, num_layers=dims["num_hidden_layers"], device=device.type,
-            slot_bytes=slot, ring_bytes=settings["ring_slots"] * slot, max_step_rows=rows, policy="block",
-            endpoint=gpu_ring.endpoint(f"store-rate-{repeat}"), block_timeout_s=300.0,
-        )  # fmt: skip
-        consumer = subprocess.Popen(
-            [*consume_command(config.endpoint, out, "--exit-on-eos", "--quiet"), "--watch-pid", str(os.getpid())]
-        )
-        producer = Producer(config, tensor_descriptions=describe(layers, True), meta={"engine": "store-rate"})
-        try:
-            gpu_ring.attach(producer, consumer, timeout_s=180.0)
-            started = time.perf_counter()
-            for step in range(steps):
-                producer.capture_step(states, [f"rate-{step}"], [rows], positions, tokens)
-                producer.finish_request(f"rate-{step}", "finished", num_tokens=rows)
-            producer.close(timeout_s=600.0)
-            _wait_run_end(out / "index.jsonl", consumer)
-            store_s.append(time.perf_counter() - started)
-        finally:
-            producer.close(timeout_s=10.0)
-            gpu_ring.finish_consumer(consumer, timeout_s=120.0)
-        shard_bytes = open_store(out).summary()["bytes"]
-        shutil.rmtree(out, ignore_errors=True)
-        raw_s.append(raw_write(work / f"raw-{repeat}.bin", shard_bytes))
-    store_gbps = shard_bytes / median(store_s) / 1e9
-    raw_gbps = shard_bytes / median(raw_s) / 1e9
-    return {
-        "bytes_per_repeat": shard_bytes,
-        "repeats": settings["store_repeats"],
-        "directory": str(work),
-        "filesystem": filesystem_of(work),
-        "store_gbps": round(store_gbps, 3),
-        "raw_write_gbps": round(raw_gbps, 3),
-        "ratio": round(store_gbps / raw_gbps, 4),
-        "store_seconds": [round(x, 3) for x in store_s],
-        "raw_seconds": [round(x, 3) for x in raw_s],
-        "note": "GB/s = 1e9 bytes/s of shard files; store: first capture_step to the run_end line of its index "
-        "(every shard fsync'd and indexed); raw: 64 MiB os.write calls then fsync, same directory, same bytes",
-    }
-
-
-def _wait_run_end(index: Path, consumer: subprocess.Popen[Any], timeout_s: float = 600.0) -> None:
-    """Poll the store's index until the consumer appends the run's ``run_end`` line."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if index.exists() and b'"type":"run_end"' in index.read_bytes()[-65536:]:
-            return
-        if consumer.poll() is not None and not index.exists():
-            raise RuntimeError(f"consumer exited with {consumer.returncode} and wrote no index at {index}")
-        time.sleep(0.002)
-    raise RuntimeError(f"{index}: no run_end line within {timeout_s:.0f} s")
-
-
-def raw_write(path: Path, nbytes: int, block: int = 64 * MiB) -> float:
-    """Seconds to write ``nbytes`` of random bytes sequentially to ``path`` and fsync it."""
-    data = memoryview(np.random.default_rng(1).integers(0, 256, min(block, nbytes), dtype=np.uint8).tobytes())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        started = time.perf_counter()
-        written = 0
-        while written < nbytes:
-            written += os.write(fd, data[: min(len(data), nbytes - written)])
-        os.fsync(fd)
-        return time.perf_counter() - started
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-
-
-def filesystem_of(path: Path) -> dict[str, Any]:
-    """The mount holding ``path`` (from /proc/mounts, where there is one) and its free space."""
-    target = str(path.resolve())
-    best = ("?", "?", "")
-    try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            source, mount, fstype = line.split()[:3]
-            if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best[2]):
-                best = (source, fstype, mount)
-    except OSError:
-        pass
-    return {"device": best[0], "type": best[1], "mount": best[2], "free_gib": round(shutil.disk_usage(path).free / GiB)}
+    gib, repeats = settings["store_gib"], settings["store_repeats"]
+    return store_rate.measure(
+        device, work, gib, repeats, settings["dims"]["hidden_size"], settings["slot_mib"], store_dtype
+    )
 
 
 # ---------------------------------------------------------------------------------------------- goals
@@ -893,9 +802,9 @@ def compute_goals(results: dict[str, Any], tiny: bool) -> dict[str, Any]:
     goals["drain_vs_pinned_d2h"] = _goal(
         ">= 0.90", ratio, None if ratio is None else ratio >= 0.90, drain.get("skipped", "")
     )
-    store = results.get("store", {})
-    ratio = store.get("ratio")
-    goals["store_vs_raw_disk"] = _goal(">= 0.80", ratio, None if ratio is None else ratio >= 0.80, "")
+    for section, name in (("store", "store_vs_raw_disk"), ("store_fp8", "store_fp8_vs_raw_disk")):
+        ratio = results.get(section, {}).get("ratio")
+        goals[name] = _goal(f">= {store_rate.GOAL}", ratio, None if ratio is None else ratio >= store_rate.GOAL, "")
 
     engine = results.get("engine", {})
     bs64 = workloads.get("decode bs64", {}).get("off")
@@ -954,7 +863,8 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
         section("prefill", lambda: bench_prefill(loop))
         section("stores", loop.close)  # the serving consumers finish before the disk is measured alone
         section("drain", lambda: bench_drain(settings, device))
-        section("store", lambda: bench_store(settings, device, work))
+        section("store", lambda: bench_store(settings, device, work, None))
+        section("store_fp8", lambda: bench_store(settings, device, work, "fp8"))
     finally:
         if loop is not None and (loop.producers or any(c.poll() is None for c in loop.consumers.values())):
             loop.close()
@@ -1000,16 +910,17 @@ def table(record: dict[str, Any]) -> str:
         )
     else:
         lines.append(f"| drain | — | — | — | {drain.get('skipped') or drain.get('error', 'not measured')} |")
-    store = results.get("store", {})
-    if "ratio" in store:
-        fs = store["filesystem"]
-        lines.append(
-            f"| store: capture → consumer → shards on disk | {store['store_gbps']:.2f} | "
-            f"{store['raw_write_gbps']:.2f} | "
-            f"{store['ratio']:.3f} | raw sequential write + fsync, same bytes, same {fs['type']} directory |"
-        )
-    else:
-        lines.append(f"| store | — | — | — | {store.get('error', 'not measured')} |")
+    for section, stored in (("store", ""), ("store_fp8", ", fp8")):
+        store = results.get(section, {})
+        if "ratio" in store:
+            fs = store["filesystem"]
+            lines.append(
+                f"| store{stored}: capture → consumer → shards on disk | {store['store_gbps']:.2f} | "
+                f"{store['raw_write_gbps']:.2f} | "
+                f"{store['ratio']:.3f} | raw sequential write + fsync, same bytes, same {fs['type']} directory |"
+            )
+        elif section == "store" or store:
+            lines.append(f"| store{stored} | — | — | — | {store.get('error', 'not measured')} |")
     lines += ["", "| goal | target | value | met | note |", "|---|---|---:|---|---|"]
     for name, goal in record["goals"].items():
         met = {True: "yes", False: "**no**", None: "—"}[goal["met"]]

@@ -29,8 +29,10 @@ from benchmarks import report  # noqa: E402
 
 #: Suite name -> module exposing ``SUITE``.
 SUITES: dict[str, str] = {
+    "extract": "benchmarks.extract_speed",
     "gpu": "benchmarks.gpu_serving",
     "sglang": "benchmarks.sglang_serving",
+    "store": "benchmarks.store_rate",
 }
 
 

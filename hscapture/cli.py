@@ -391,8 +391,12 @@ def _bench(suite_args: list[str]) -> int:
 
 
 def _consume(args: argparse.Namespace) -> int:
+    import torch
+
     from hscapture.consumer import Consumer
-    from hscapture.metrics import MetricsReporter
+    from hscapture.consumer.metrics import MetricsReporter
+
+    torch.set_num_threads(1)  # no model here: the writer threads are the parallelism (fp8 quantization)
 
     config: ConsumerConfig = options_from(ConsumerConfig, args)
     consumer = Consumer(config)
@@ -431,7 +435,7 @@ def _verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from hscapture.errors import StoreError
-    from hscapture.verify import ShardCheck, format_report, verify_store
+    from hscapture.store.verify import ShardCheck, format_report, verify_store
 
     def progress(checks: Iterable[ShardCheck], total: int) -> Iterable[ShardCheck]:
         show = sys.stdout.isatty() and total > 4 and not args.json  # a bar over more than a few shards

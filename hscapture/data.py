@@ -343,6 +343,19 @@ def load_samples(
             raise ValueError(f"{path}:{line_number}: {e}") from e
 
 
+def loss_mask_ranges(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """0/1 per token -> half-open ``[start, end)`` ranges of ones."""
+    ranges: list[tuple[int, int]] = []
+    start = None
+    for i, bit in enumerate([*mask, 0]):
+        if bit and start is None:
+            start = i
+        elif not bit and start is not None:
+            ranges.append((start, i))
+            start = None
+    return ranges
+
+
 def plan_batches(samples: Sequence[Sample], max_batch_tokens: int, max_batch_size: int) -> list[list[Sample]]:
     """Group samples into forward calls, bounding the padded size of each.
 

@@ -1,6 +1,6 @@
 """Training on a store: a ``torch.utils.data.Dataset`` of captured samples, and a padding collate.
 
-Each item is one request, read with :meth:`hscapture.reader.Store.get`: the shards are memory-mapped
+Each item is one request, read with :meth:`hscapture.store.reader.Store.get`: the shards are memory-mapped
 (safetensors ``safe_open``) and ``get_slice`` copies out only the item's rows, so an item costs its
 own bytes, never a whole shard (``tests/test_dataset.py`` measures it). The dataset pickles without
 any mapping, and a forked DataLoader worker drops the mappings it inherited, so every worker maps
@@ -16,7 +16,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
-from hscapture.reader import Store
+from hscapture.store.reader import Store
 
 Sample = dict[str, torch.Tensor]
 

@@ -25,3 +25,9 @@ class CreditTimeout(HSCaptureError):
 class AccessError(HSCaptureError):
     """A path or peer this user cannot trust: a socket directory or token file of another user or open
     to others, a planted link, a key the other side refused, or a second consumer where one is attached."""
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """Peer-supplied values in messages and logs, cut short so a hostile peer cannot flood a log."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"

@@ -38,8 +38,8 @@ from tqdm import tqdm
 
 from hscapture.config import eagle3_default_layers, flag
 from hscapture.errors import StoreError
-from hscapture.reader import Store, open_store
-from hscapture.store import write_atomic
+from hscapture.store.files import write_atomic
+from hscapture.store.reader import Store, open_store
 
 FORMATS = ("specforge", "speculators")
 MANIFEST = "hscapture-export.jsonl"

@@ -1,10 +1,13 @@
-"""Offline bulk extraction: run a model over a dataset and capture its hidden states to a store.
+"""Offline bulk extraction: run an engine over a dataset and capture its hidden states to a store.
 
-The extraction process is the producer (block policy: nothing is lost); it starts a consumer
-in its own process (``hscapture consume``) that writes the store, exactly as in streaming
-capture. Each record is one request keyed by its id; batches are right-padded and the padding
-rows are never announced. A rerun over the same data skips every sample the store already
-holds complete, so an interrupted extraction resumes without duplicating or losing samples.
+Engine-neutral: the job (resume, the consumer process, batches, progress, the summary) lives
+here; an engine adapter from :mod:`hscapture.integrations` runs the model (``hf``:
+:class:`~hscapture.integrations.hf.HFExtraction`, transformers in this process; ``sglang``:
+:class:`~hscapture.integrations.sglang_offline.SGLangExtraction`, ``sglang.Engine`` with the
+plugin). The producer side captures with the block policy (nothing is lost) and a consumer in
+its own process (``hscapture consume``) writes the store, exactly as in streaming capture. Each
+record is one request keyed by its id. A rerun over the same data skips every sample the store
+already holds complete, so an interrupted extraction resumes without duplicating or losing samples.
 """
 
 from __future__ import annotations
@@ -14,32 +17,23 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import torch
 from tqdm import tqdm
 
-from hscapture.config import (
-    DTYPES,
-    STORE_DTYPES,
-    CaptureConfig,
-    MiB,
-    dtype_name,
-    ensure_writable_dir,
-    flag,
-    store_dtype_name,
-)
+from hscapture.config import STORE_DTYPES, MiB, ensure_writable_dir, flag, store_dtype_name
 from hscapture.consumer import consume_command
-from hscapture.data import Sample, load_samples, pad_batch, plan_batches
+from hscapture.data import Sample, load_samples
 from hscapture.errors import HSCaptureError
-from hscapture.integrations.hf import HFCapture, describe, eagle3_default_layers
-from hscapture.producer import Producer
-from hscapture.reader import open_store
-from hscapture.store import META_FILE, check_store_dtype
+from hscapture.store.format import META_FILE, check_store_dtype
+from hscapture.store.reader import Store, open_store
 
 log = logging.getLogger(__name__)
+
+ENGINES = ("hf", "sglang")
 
 
 @dataclass
@@ -73,8 +67,8 @@ class ExtractOptions:
     #: ``fp8``: the consumer stores rows as float8_e4m3fn with one float32 scale per row, half the
     #: bytes of bf16 (default: as captured, or as the existing store does).
     store_dtype: str | None = field(default=None, metadata=flag(choices=sorted(STORE_DTYPES)))
-    #: Threads of the consumer writing shards.
-    writer_threads: int = 2
+    #: Threads of the consumer writing shards (default: as many as keep one disk busy: 2, fp8 2-4).
+    writer_threads: int | None = None
     #: Show a progress bar.
     progress: bool = True
     #: Extra arguments for the consumer process (e.g. ``["--delay-ms", "5"]`` in tests).
@@ -104,6 +98,36 @@ class ExtractSummary:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+class OfflineEngine(Protocol):
+    """What :func:`extract` asks of an engine adapter (the integrations implement it)."""
+
+    #: The model's tokenizer (a transformers tokenizer: it applies the chat template).
+    tokenizer: Any
+    #: Facts for the store's run line (engine, model, mode, ...).
+    meta: dict[str, Any]
+
+    def plan(self, samples: Sequence[Sample]) -> list[list[Sample]]:
+        """The batches to run, in order."""
+
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
+        """Start capturing to a consumer on ``endpoint``; ``watchdog`` raises if the consumer died."""
+
+    def run(self, batch: list[Sample]) -> int:
+        """Capture one batch; returns the tokens captured."""
+
+    def waited_s(self) -> float | None:
+        """Seconds spent waiting for ring credit so far (the consumer's disk), or None if unknown."""
+
+    def end(self) -> None:
+        """End the stream: the consumer finishes the store and exits."""
+
+    def shutdown(self) -> None:
+        """Release the engine (also after a failure). Idempotent."""
+
+    def check(self, store: Store) -> None:
+        """Check the finished store against what was asked (raise HSCaptureError if it differs)."""
+
+
 def default_data_path() -> Path:
     """The embedded demo dataset, written once next to the tiny model."""
     from hscapture.tiny import DEFAULT_DIR, write_demo_jsonl
@@ -114,25 +138,6 @@ def default_data_path() -> Path:
     return path
 
 
-def load_model(model_dir: Path | None, dtype: str | None, device: str) -> tuple[Any, Any, Path]:
-    """Tokenizer and eval-mode causal LM; with no directory, the embedded tiny Llama."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from hscapture.tiny import ensure_tiny_model
-
-    path = Path(model_dir) if model_dir is not None else ensure_tiny_model()
-    if not (path / "config.json").exists():
-        raise ValueError(f"--model: {str(path)!r} has no config.json; give a local HF model directory")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype: {dtype!r} is not supported; use one of {sorted(DTYPES)}")
-    hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype] if dtype else "auto"}
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
-    return tokenizer, model, path
-
-
 def done_keys(out: Path) -> set[str]:
     """Keys the store at ``out`` already holds complete (empty for a new store)."""
     if not (out / META_FILE).exists():
@@ -140,57 +145,53 @@ def done_keys(out: Path) -> set[str]:
     return set(open_store(out).keys(complete_only=True))
 
 
-def loss_mask_ranges(mask: list[int]) -> list[tuple[int, int]]:
-    """0/1 per token -> half-open ``[start, end)`` ranges of ones."""
-    ranges: list[tuple[int, int]] = []
-    start = None
-    for i, bit in enumerate([*mask, 0]):
-        if bit and start is None:
-            start = i
-        elif not bit and start is not None:
-            ranges.append((start, i))
-            start = None
-    return ranges
-
-
-def kept_rows(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the real (non-padding) rows of a ``[B, T]`` batch, request by request."""
-    return torch.nonzero(attention_mask.reshape(-1), as_tuple=True)[0]
-
-
-def run_batch(capture: HFCapture, producer: Producer, model: Any, batch: list[Sample], pad_id: int) -> int:
-    """One forward call over a right-padded batch; announce the real rows; finish each request."""
-    input_ids, attention_mask = pad_batch(batch, pad_id)
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-    states = capture.collect()
-    lengths = [len(s.input_ids) for s in batch]
-    producer.capture_step(
-        states,
-        request_ids=[s.key for s in batch],
-        request_rows=lengths,
-        positions=torch.cat([torch.arange(n) for n in lengths]),
-        token_ids=torch.cat([torch.tensor(s.input_ids) for s in batch]),
-        row_index=kept_rows(attention_mask).to(device),
-    )
-    for sample in batch:
-        producer.finish_request(
-            sample.key, num_tokens=len(sample.input_ids), loss_mask=loss_mask_ranges(sample.loss_mask)
-        )
-    return sum(lengths)
-
-
 def start_consumer(endpoint: str, options: ExtractOptions) -> subprocess.Popen:
     """``hscapture consume`` in its own process, exiting at our end of stream or when we die."""
     command = consume_command(
         endpoint,
         options.out,
-        *("--shard-bytes", str(options.shard_bytes), "--writer-threads", str(options.writer_threads)),
+        *("--shard-bytes", str(options.shard_bytes)),
+        *(("--writer-threads", str(options.writer_threads)) if options.writer_threads is not None else ()),
         *(("--store-dtype", options.store_dtype) if options.store_dtype is not None else ()),
         *("--exit-on-eos", "--watch-pid", str(os.getpid()), "--quiet", *options.consumer_args),
     )
     return subprocess.Popen(command)
+
+
+def wait_consumer(consumer: subprocess.Popen, timeout_s: float = 120.0) -> int:
+    """The consumer's exit status, stopping it (it then finishes the store) if it outlives the timeout."""
+    try:
+        return consumer.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        consumer.terminate()
+        return consumer.wait(10)
+
+
+def open_engine(options: ExtractOptions) -> OfflineEngine:
+    """The engine adapter ``options.engine`` names, with its model (or tokenizer) loaded.
+
+    Raises:
+        ValueError: an unknown engine or mode, a bad model directory, dtype or layer id.
+    """
+    if options.engine == "sglang":
+        from hscapture.integrations.sglang_offline import SGLangExtraction
+
+        return SGLangExtraction(
+            options.model, options.layers, options.capture_last, options.dtype, options.device, options.mode,
+            options.max_batch_size, options.max_new_tokens, options.temperature, options.sglang_args,
+        )  # fmt: skip
+    if options.engine != "hf":
+        raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
+    if options.mode != "teacher":
+        raise ValueError("--mode regenerate needs --engine sglang (the HF engine runs teacher forcing only)")
+    if options.sglang_args:
+        raise ValueError(f"{' '.join(options.sglang_args)}: arguments after -- are SGLang's; they need --engine sglang")
+    from hscapture.integrations.hf import HFExtraction
+
+    return HFExtraction(
+        options.model, options.layers, options.capture_last, options.dtype, options.device,
+        options.max_batch_tokens, options.max_batch_size,
+    )  # fmt: skip
 
 
 def extract(options: ExtractOptions) -> ExtractSummary:
@@ -203,100 +204,82 @@ def extract(options: ExtractOptions) -> ExtractSummary:
     out = Path(options.out)
     ensure_writable_dir(out, "--out")
     check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
-    if options.engine == "sglang":
-        from hscapture.integrations.sglang_offline import extract_with_sglang
+    engine = open_engine(options)
+    try:
+        return _run(engine, options, out)
+    finally:
+        engine.shutdown()
 
-        return extract_with_sglang(options)
-    if options.engine != "hf":
-        raise ValueError(f"--engine: {options.engine!r} is unknown; use hf or sglang")
-    if options.mode != "teacher":
-        raise ValueError("--mode regenerate needs --engine sglang (the HF engine runs teacher forcing only)")
-    if options.sglang_args:
-        raise ValueError(f"{' '.join(options.sglang_args)}: arguments after -- are SGLang's; they need --engine sglang")
-    tokenizer, model, model_path = load_model(options.model, options.dtype, options.device)
-    num_layers = model.config.num_hidden_layers
-    layers = options.layers if options.layers is not None else eagle3_default_layers(num_layers)
+
+def _run(engine: OfflineEngine, options: ExtractOptions, out: Path) -> ExtractSummary:
     data = Path(options.data) if options.data is not None else default_data_path()
     skip = done_keys(out)
-    samples = list(load_samples(data, tokenizer, options.max_length, skip_keys=skip))
-    if options.limit is not None:
-        samples = samples[: options.limit]
+    samples = list(load_samples(data, engine.tokenizer, options.max_length, skip_keys=skip))[: options.limit]
     if skip:
         print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
     if not samples:  # nothing left to capture: no producer, no consumer
         return ExtractSummary(0, 0, 0.0, len(skip), open_store(out).summary() if skip else {})
-    batches = plan_batches(samples, options.max_batch_tokens, options.max_batch_size)
-    longest = max((len(s.input_ids) for s in samples), default=1)
-    config = _capture_config(model, layers, options, max(options.max_batch_tokens, longest))
-    endpoint = config.endpoint
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    meta = {"engine": "hf", "model": str(model_path), "data": str(data), "dtype": config.dtype}
+    batches = engine.plan(samples)
+    endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
+    consumer = start_consumer(endpoint, options)
+
+    def consumer_alive() -> None:
+        if consumer.poll() is not None:
+            raise consumer_error(consumer.returncode, out, "; the engine was stopped")
+
     started = time.monotonic()
-    tokens = done = 0
-    with HFCapture(model, layers, options.capture_last) as capture:
-        consumer = start_consumer(endpoint, options)
-
-        def consumer_alive() -> None:
-            if consumer.poll() is not None:
-                raise HSCaptureError(f"consumer exited with code {consumer.returncode}; see its message above")
-
-        try:
-            producer = Producer(
-                config,
-                tensor_descriptions=describe(layers, options.capture_last, num_layers),
-                meta=meta,
-                watchdog=consumer_alive,
-            )
-        except BaseException:
-            consumer.kill()
-            raise
-        try:
-            bar = tqdm(total=sum(len(s.input_ids) for s in samples), unit="tok", disable=not options.progress)
-            with bar:
-                for batch in batches:
-                    consumer_alive()
-                    tokens += run_batch(capture, producer, model, batch, pad_id)
-                    done += len(batch)
-                    bar.set_postfix(samples=f"{done}/{len(samples)}", refresh=False)
-                    bar.update(sum(len(s.input_ids) for s in batch))
-        finally:
-            counters = producer.close()
-            code = wait_consumer(consumer)
+    try:
+        engine.start(endpoint, {"data": str(data)}, consumer_alive)
+    except BaseException:
+        consumer.kill()
+        raise
+    tokens = 0
+    ended = False
+    try:
+        with tqdm(total=sum(len(s.input_ids) for s in samples), unit="tok", disable=not options.progress) as bar:
+            done = 0
+            for batch in batches:
+                consumer_alive()
+                waited = engine.waited_s()
+                tokens += engine.run(batch)
+                done += len(batch)
+                bar.set_postfix_str(_status(done, len(samples), waited, engine.waited_s()), refresh=False)
+                bar.update(sum(len(s.input_ids) for s in batch))
+        engine.end()
+        ended = True
+    finally:
+        if not ended:
+            engine.shutdown()  # the consumer sees its producer end (or die) and finishes the store
+        code = wait_consumer(consumer)
     seconds = time.monotonic() - started
     if code != 0:
-        raise HSCaptureError(f"consumer exited with code {code}; the store at {out} keeps what was committed")
-    if counters.rows_dropped:
-        raise HSCaptureError(f"{counters.rows_dropped} rows dropped under block policy: this is a bug")
-    store = open_store(out).summary()
-    return ExtractSummary(len(samples), tokens, seconds, len(skip), store)
+        raise consumer_error(code, out)
+    store = open_store(out)
+    engine.check(store)
+    return ExtractSummary(len(samples), tokens, seconds, len(skip), store.summary())
 
 
-def _capture_config(model: Any, layers: tuple[int, ...], options: ExtractOptions, max_rows: int) -> CaptureConfig:
-    dtype = options.dtype or dtype_name(next(model.parameters()).dtype)
-    hidden = model.config.hidden_size
-    row_bytes = (len(layers) + int(options.capture_last)) * hidden * DTYPES[dtype].itemsize
-    slot_bytes = max(MiB, -(-row_bytes // 256) * 256)
-    rows_per_slot = slot_bytes // row_bytes
-    slots = max(8, 2 * -(-max_rows // rows_per_slot))
-    return CaptureConfig(
-        layers=layers,
-        hidden_size=hidden,
-        num_layers=model.config.num_hidden_layers,
-        capture_last=options.capture_last,
-        dtype=dtype,
-        slot_bytes=slot_bytes,
-        ring_bytes=slots * slot_bytes,
-        max_step_rows=max_rows,
-        policy="block",
-        endpoint=f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}",
-        device="cuda" if torch.device(options.device).type == "cuda" else "cpu",  # GPU models get the CUDA ring
-    )
-
-
-def wait_consumer(consumer: subprocess.Popen, timeout_s: float = 120.0) -> int:
-    """The consumer's exit status, stopping it (it then finishes the store) if it outlives the timeout."""
+def capture_failure(out: Path) -> str:
+    """The store's record of why its last run ended, if capture failed in the producer ('' otherwise)."""
     try:
-        return consumer.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        consumer.terminate()
-        return consumer.wait(10)
+        end = open_store(out).metadata()["runs"][-1]["end"] or {}
+    except Exception:  # no store yet, or none readable: the consumer's own message says why
+        return ""
+    reason = str(end.get("reason", ""))
+    return reason if reason.startswith("capture failed") else ""
+
+
+def consumer_error(code: int, out: Path, then: str = "") -> HSCaptureError:
+    """Why the consumer stopped: the producer's original error when capture failed in the engine."""
+    failure = capture_failure(out)
+    if failure:
+        return HSCaptureError(f"{failure}{then}; the store at {out} keeps what was committed")
+    return HSCaptureError(f"consumer exited with code {code}{then}; the store at {out} keeps what was committed")
+
+
+def _status(done: int, total: int, before: float | None, after: float | None) -> str:
+    """The progress bar's postfix: samples done, and whether the last batch waited for the disk."""
+    text = f"samples={done}/{total}"
+    if before is None or after is None or after <= before:
+        return text
+    return f"{text}, waiting for disk ({after:.1f} s in all: the store is slower than the engine)"

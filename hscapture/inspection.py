@@ -1,6 +1,6 @@
 """``hscapture inspect``: what a store holds, for people (a short text) and scripts (a JSON dict).
 
-Everything comes from the index and ``meta.json`` through :class:`~hscapture.reader.Store`
+Everything comes from the index and ``meta.json`` through :class:`~hscapture.store.reader.Store`
 (plus a ``stat`` of the directory's files); no shard is opened, so it is quick on any size.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hscapture.config import MiB
-from hscapture.reader import open_store
+from hscapture.store.reader import open_store
 
 #: Capture-config keys not worth a person's attention in the text view (the JSON has them all).
 _QUIET_CONFIG = ("endpoint", "token", "block_timeout_s")

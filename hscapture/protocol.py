@@ -246,9 +246,3 @@ def check_chunk(chunk: Chunk, layout: Layout, row_bytes: int) -> None:
         )
     if any(n <= 0 for n in chunk.request_rows):
         raise ProtocolError(f"Chunk.request_rows: counts must be positive, got {chunk.request_rows} (seq {chunk.seq})")
-
-
-def short_repr(value: object, limit: int = 80) -> str:
-    """Peer-supplied values in messages and logs, cut short so a hostile peer cannot flood a log."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"

@@ -22,6 +22,7 @@ from typing import Any
 
 from hscapture.config import POLICIES, MiB, ensure_writable_dir, flag
 from hscapture.consumer import consume_command
+from hscapture.extract import capture_failure
 from hscapture.integrations.sglang import (
     CPU_SERVER_ARGS,
     ENV,
@@ -31,9 +32,8 @@ from hscapture.integrations.sglang import (
     server_args,
 )
 from hscapture.integrations.sglang_models import launch_plan
-from hscapture.integrations.sglang_offline import capture_failure
 from hscapture.keys import KEYS_ENV, ensure_keys
-from hscapture.reader import open_store
+from hscapture.store.reader import open_store
 
 
 @dataclass

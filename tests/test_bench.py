@@ -31,6 +31,7 @@ GOALS = {
     "faster_than_tolist",
     "drain_vs_pinned_d2h",
     "store_vs_raw_disk",
+    "store_fp8_vs_raw_disk",
 }
 README_TEXT = """# Benchmarks
 
@@ -116,8 +117,10 @@ def test_gpu_suite_tiny_cpu_writes_a_complete_record(tiny_run: tuple[Path, Path,
         assert stores[policy]["store"]["rows"] == stores[policy]["producer"]["rows_captured"] > 0, policy
     assert stores["block"]["producer"]["rows_dropped"] == 0
     assert "skipped" in record["results"]["drain"]
-    store = record["results"]["store"]
-    assert store["bytes_per_repeat"] > 0 and store["store_gbps"] > 0 and store["raw_write_gbps"] > 0
+    for section in ("store", "store_fp8"):  # rows stored as captured, and as fp8 (half the bytes)
+        store = record["results"][section]
+        assert store["bytes_per_repeat"] > 0 and store["store_gbps"] > 0 and store["raw_write_gbps"] > 0
+    assert record["results"]["store_fp8"]["bytes_per_repeat"] < record["results"]["store"]["bytes_per_repeat"]
     assert set(record["goals"]) == GOALS
     for goal in record["goals"].values():
         assert set(goal) == {"target", "value", "met", "note"}

@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from hscapture import open_store, protocol
+from hscapture import open_store
 from hscapture.dataset import CaptureDataset, pad_collate
-from hscapture.store import StoreWriter
-from tests.test_store import make_layout
+from hscapture.store.records import Finish
+from hscapture.store.writer import StoreWriter
+from tests.storefeed import make_layout, write_rows
 
 AUX = ["layer_2", "layer_4", "layer_5"]
 
@@ -113,30 +114,13 @@ def write_one_big_shard(root: Path) -> int:
     """One 128 MiB bf16 shard of 256 requests; returns the number of requests."""
     rng = np.random.default_rng(0)
     writer = StoreWriter(root, SHARD_BYTES + (1 << 20))
-    writer.begin_run(make_layout(dtype="bfloat16", hidden=HIDDEN, names=NAMES, descriptions=NAMES))
+    writer.begin_run(*make_layout(dtype="bfloat16", hidden=HIDDEN, names=NAMES, descriptions=NAMES))
     count = SHARD_BYTES // (ROWS_PER_REQUEST * len(NAMES) * HIDDEN * 2)
     for r in range(count):
         rows = torch.from_numpy(rng.standard_normal((len(NAMES), ROWS_PER_REQUEST, HIDDEN), dtype=np.float32))
-        data = rows.bfloat16().view(torch.uint8).reshape(-1).numpy()
-        positions = protocol.pack_rows(np.arange(ROWS_PER_REQUEST))
-        chunk = protocol.Chunk(
-            v=protocol.PROTOCOL_VERSION,
-            seq=r + 1,
-            step=r + 1,
-            slot=0,
-            offset=0,
-            nbytes=data.size,
-            rows=ROWS_PER_REQUEST,
-            request_ids=[f"r{r}"],
-            request_rows=[ROWS_PER_REQUEST],
-            positions=positions,
-            token_ids=positions,
-        )
-        writer.add_chunk(chunk, data)
-        done = protocol.RequestFinished(
-            v=protocol.PROTOCOL_VERSION, request_id=f"r{r}", reason="finished", num_tokens=ROWS_PER_REQUEST
-        )
-        writer.finish_request(done)
+        positions = np.arange(ROWS_PER_REQUEST)
+        write_rows(writer, rows.bfloat16(), [f"r{r}"], [ROWS_PER_REQUEST], positions, positions)
+        writer.finish_request(f"r{r}", Finish("finished", num_tokens=ROWS_PER_REQUEST))
     writer.close()
     return count
 

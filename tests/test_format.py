@@ -1,6 +1,6 @@
 """Golden values for the on-disk store format of FORMAT.md.
 
-``StoreWriter`` is fed hand-built protocol messages for two requests with fixed, non-zero
+``StoreWriter`` is fed rows (as the consumer feeds it) for two requests with fixed, non-zero
 bfloat16 rows; the files it leaves are then read back byte by byte (meta.json, index.jsonl,
 the safetensors header parsed by hand, the raw tensor bytes) and with safetensors alone,
 exactly as FORMAT.md's "Reading without hscapture" does. Every expected value below is
@@ -24,16 +24,16 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from hscapture import open_store, protocol
-from hscapture.store import StoreWriter
+from hscapture import open_store
+from hscapture.store.records import Finish
+from hscapture.store.writer import RowGeometry, StoreWriter
+from tests.storefeed import write_rows
 
-V = protocol.PROTOCOL_VERSION
 RUN_ID = "run-golden"
 NAMES = ["layer_1", "last"]
 DESCRIPTIONS = ["residual stream entering decoder layer 1", "final hidden state after the last norm"]
@@ -151,25 +151,13 @@ def token_id(request: str, position: int) -> int:
 # ---------------------------------------------------------------------------------- writing
 
 
-def layout() -> protocol.Layout:
-    return protocol.Layout(
-        v=V,
-        run_id=RUN_ID,
-        consumer_id="golden-consumer",
-        ring={"backend": "none"},
-        num_slots=2,
-        slot_bytes=1 << 20,
-        dtype="bfloat16",
-        hidden_size=HIDDEN,
-        tensor_names=list(NAMES),
-        tensor_descriptions=list(DESCRIPTIONS),
-        policy="drop",
-        meta=dict(RUN_META),
-    )
+def layout() -> tuple[str, RowGeometry, dict[str, Any]]:
+    """``StoreWriter.begin_run``'s arguments for the golden run."""
+    return RUN_ID, RowGeometry(tuple(NAMES), tuple(DESCRIPTIONS), "bfloat16", HIDDEN), dict(RUN_META)
 
 
-def chunk(seq: int, segments: list[tuple[str, str, list[int]]]) -> tuple[protocol.Chunk, np.ndarray]:
-    """A chunk of ``(request id, "a"|"b", positions)`` segments and its ``[tensors, rows, hidden]`` bytes."""
+def chunk(writer: StoreWriter, segments: list[tuple[str, str, list[int]]]) -> None:
+    """Write ``(request id, "a"|"b", positions)`` segments: their ``[tensors, rows, hidden]`` rows, in order."""
     planes: list[list[list[float]]] = [[] for _ in NAMES]
     positions, token_ids = [], []
     for _, request, where in segments:
@@ -178,45 +166,21 @@ def chunk(seq: int, segments: list[tuple[str, str, list[int]]]) -> tuple[protoco
                 plane.append(request_rows(request)[t][p])
             positions.append(p)
             token_ids.append(token_id(request, p))
-    data = torch.tensor(planes, dtype=torch.float32).to(torch.bfloat16).view(torch.uint8).reshape(-1).numpy()
-    message = protocol.Chunk(
-        v=V,
-        seq=seq,
-        step=seq,
-        slot=0,
-        offset=0,
-        nbytes=data.size,
-        rows=len(positions),
-        request_ids=[s[0] for s in segments],
-        request_rows=[len(s[2]) for s in segments],
-        positions=protocol.pack_rows(np.asarray(positions)),
-        token_ids=protocol.pack_rows(np.asarray(token_ids)),
-    )
-    return message, data
+    rows = torch.tensor(planes, dtype=torch.float32).to(torch.bfloat16)
+    write_rows(writer, rows, [s[0] for s in segments], [len(s[2]) for s in segments], positions, token_ids)
 
 
 def write_golden(root: Path, shard_bytes: int = ONE_SHARD) -> Path:
     """The golden feed, written through ``StoreWriter`` with one writer thread."""
     writer = StoreWriter(root, shard_bytes=shard_bytes, writer_threads=1)
     try:
-        writer.begin_run(layout())
-        writer.add_chunk(*chunk(1, [("req-a", "a", [0, 1, 2]), ("req-b", "b", [3])]))
-        writer.add_chunk(*chunk(2, [("req-b", "b", [0, 1]), ("req-a", "a", [3])]))
+        writer.begin_run(*layout())
+        chunk(writer, [("req-a", "a", [0, 1, 2]), ("req-b", "b", [3])])
+        chunk(writer, [("req-b", "b", [0, 1]), ("req-a", "a", [3])])
         writer.finish_request(
-            protocol.RequestFinished(
-                v=V,
-                request_id="req-a",
-                reason="finished",
-                num_tokens=4,
-                loss_mask=[(2, 4)],
-                meta={"finish": "stop", "engine_id": 7},
-            )
+            "req-a", Finish("finished", 4, loss_mask=[(2, 4)], meta={"finish": "stop", "engine_id": 7})
         )
-        writer.finish_request(
-            protocol.RequestFinished(
-                v=V, request_id="req-b", reason="aborted", num_tokens=5, dropped_rows=1, loss_mask=[(3, 5)]
-            )
-        )
+        writer.finish_request("req-b", Finish("aborted", 5, dropped_rows=1, loss_mask=[(3, 5)]))
         writer.end_run("eos", {"rows_dropped": 1})
     finally:
         writer.close()
@@ -268,7 +232,7 @@ def test_meta_json_is_written_when_the_first_run_begins(tmp_path: Path) -> None:
     """Before any row arrives, meta.json exists and the index holds only the run line."""
     writer = StoreWriter(tmp_path, shard_bytes=ONE_SHARD, writer_threads=1)
     try:
-        writer.begin_run(layout())
+        writer.begin_run(*layout())
         assert json.loads((tmp_path / "meta.json").read_text()) == EXPECTED_META
         records = index_records(tmp_path)
         assert [r["type"] for r in records] == ["run"]
@@ -466,7 +430,7 @@ def test_writer_cuts_a_torn_last_line_before_appending(store: Path, torn: str) -
 
     writer = StoreWriter(store, shard_bytes=ONE_SHARD, writer_threads=1)
     try:
-        writer.begin_run(layout())
+        writer.begin_run(*layout())
         writer.end_run("eos", {})
     finally:
         writer.close()

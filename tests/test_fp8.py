@@ -22,9 +22,9 @@ from hscapture import open_store
 from hscapture.config import ConsumerConfig
 from hscapture.errors import StoreError
 from hscapture.fp8 import E4M3_MAX, dequantize_rows, quantize_rows
-from hscapture.store import StoreWriter
-from hscapture.verify import verify_store
-from tests.test_store import HIDDEN, NAMES, Feed, Request, make_layout, shard_bytes, shard_files
+from hscapture.store.verify import verify_store
+from hscapture.store.writer import StoreWriter
+from tests.storefeed import HIDDEN, NAMES, Feed, Request, make_layout, shard_bytes, shard_files
 from tests.test_verify import flip, header_of
 
 E4M3_REL = 2**-4
@@ -129,7 +129,7 @@ def test_fp8_store_files_reader_and_verify(tmp_path: Path) -> None:
     rng = np.random.default_rng(7)
     requests = {"a": bf16_request(rng, 12, special=True), "b": bf16_request(rng, 9), "c": bf16_request(rng, 20)}
     writer = StoreWriter(tmp_path, shard_bytes("bfloat16"), store_dtype="fp8")
-    writer.begin_run(make_layout(dtype="bfloat16"))
+    writer.begin_run(*make_layout(dtype="bfloat16"))
     feed = Feed(writer, requests, "bfloat16")
     feed.chunk([("a", range(6, 12)), ("b", range(0, 5))])  # a's tail first: read back in position order
     feed.chunk([("a", range(0, 6)), ("c", range(0, 11)), ("b", range(5, 9))])
@@ -187,14 +187,14 @@ def test_a_store_keeps_its_storage_dtype(tmp_path: Path) -> None:
     plain, fp8 = tmp_path / "plain", tmp_path / "fp8"
     for root, store_dtype in ((plain, None), (fp8, "fp8")):
         writer = StoreWriter(root, shard_bytes("bfloat16"), store_dtype=store_dtype)
-        writer.begin_run(make_layout(dtype="bfloat16"))
+        writer.begin_run(*make_layout(dtype="bfloat16"))
         Feed(writer, {"x": bf16_request(rng, 3)}, "bfloat16").chunk([("x", range(3))])
         writer.close()
     with pytest.raises(StoreError, match=r"stores rows as bfloat16, not float8_e4m3fn; leave --store-dtype unset"):
         StoreWriter(plain, shard_bytes("bfloat16"), store_dtype="fp8", lock_timeout_s=0)
     # Unset follows the store: a second run into the fp8 store is stored as fp8 too (and the lock was freed).
     writer = StoreWriter(fp8, shard_bytes("bfloat16"), lock_timeout_s=0)
-    writer.begin_run(make_layout(run_id="run-b", dtype="bfloat16"))
+    writer.begin_run(*make_layout(run_id="run-b", dtype="bfloat16"))
     Feed(writer, {"y": bf16_request(rng, 2)}, "bfloat16").chunk([("y", range(2))])
     writer.close()
     assert [header_of(path)[1]["last"]["dtype"] for path in shard_files(fp8)] == ["F8_E4M3", "F8_E4M3"]
@@ -203,7 +203,7 @@ def test_a_store_keeps_its_storage_dtype(tmp_path: Path) -> None:
 
 def test_a_reader_refuses_rows_stored_in_a_way_it_does_not_know(tmp_path: Path) -> None:
     writer = StoreWriter(tmp_path, shard_bytes("bfloat16"), store_dtype="fp8")
-    writer.begin_run(make_layout(dtype="bfloat16"))
+    writer.begin_run(*make_layout(dtype="bfloat16"))
     writer.close()
     meta = json.loads((tmp_path / "meta.json").read_text())
     (tmp_path / "meta.json").write_text(json.dumps({**meta, "store_dtype": "int4"}))

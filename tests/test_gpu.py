@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hscapture import CaptureConfig, HSCaptureError, Producer, open_store
-from hscapture.cuda_ring import CudaRingReader
+from hscapture.ring.cuda import CudaRingReader
 from tests.conftest import ConsumerFactory, wait_attached
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -75,7 +75,7 @@ def test_graph_replayed_capture_is_bitwise_and_never_announces_padding(
     tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, use_kernel: bool, policy: str
 ) -> None:
     pytest.importorskip("cupy")
-    from hscapture.graph import GraphRingWriter
+    from hscapture.producer.graph import GraphRingWriter
 
     batch = 32
     torch.manual_seed(0)
@@ -128,7 +128,7 @@ def test_graph_replayed_capture_is_bitwise_and_never_announces_padding(
 @pytest.mark.parametrize("case", ["other-device", "bad-handle"])
 def test_consumer_side_errors_are_clear(case: str) -> None:
     pytest.importorskip("cupy")
-    from hscapture.cuda_ring import device_uuid
+    from hscapture.ring.cuda import device_uuid
 
     description = {"backend": "cuda", "handle": b"\0" * 64, "events": [], "nbytes": 1 << 21}
     if case == "other-device":

@@ -16,7 +16,7 @@ import pytest
 
 from hscapture import open_store
 from hscapture.consumer import consume_command
-from hscapture.metrics import DropTally
+from hscapture.consumer.metrics import DropTally
 from tests.conftest import wait_attached
 from tests.workload import Workload, make_config, make_producer
 
@@ -152,7 +152,7 @@ def test_metrics_endpoint_and_stats_lines_during_a_real_run(tmp_path: Path, endp
 def test_a_capture_failure_in_the_producer_is_logged_shown_counted_stored_and_ends_exit_on_eos(
     tmp_path: Path, endpoint: str
 ) -> None:
-    from hscapture.integrations.sglang_offline import capture_failure
+    from hscapture.extract import capture_failure
 
     error = "RuntimeError: SGLang's aux states are 384 wide,\nnot 2 layers [2, 3] of hidden size 128"
     flat = "RuntimeError: SGLang's aux states are 384 wide, not 2 layers [2, 3] of hidden size 128"

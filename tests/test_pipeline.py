@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hscapture import open_store
-from hscapture.verify import verify_store
+from hscapture.consumer import consume_command
+from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.workload import Workload, make_config, make_producer
 
@@ -45,6 +46,28 @@ def check_store(out: Path, workloads: list[Workload], keys: list[str] | None = N
             assert sample["loss_mask"].tolist() == [0] + [1] * (len(tokens) - 1), rid
         records[rid] = record
     return records
+
+
+def test_discard_drains_and_releases_everything_and_writes_nothing(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
+) -> None:
+    """``--discard``: no store, yet every slot is copied out and released (the block producer never stalls)."""
+    out = tmp_path / "never"
+    consumer = subprocess.Popen(
+        consume_command(endpoint, None, "--discard", "--exit-on-eos", "--quiet", "--heartbeat-ms", "50")
+    )
+    try:
+        producer = make_producer(make_config(endpoint, policy="block", device=device))
+        workload = Workload(seed=5, device=device)
+        for _ in range(60):  # many times the ring: only releases let it go on
+            workload.step(producer)
+        counters = producer.close()
+        assert consumer.wait(30) == 0
+    finally:
+        if consumer.poll() is None:
+            consumer.kill()
+    assert counters.rows_dropped == 0 and counters.rows_captured == workload.total_rows > 0
+    assert counters.chunks_announced > 2 and not out.exists()
 
 
 def test_round_trip_is_bitwise_across_slots_and_shards(

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from hscapture import Producer, open_store
+from hscapture.store.verify import verify_store
 from hscapture.tiny import write_demo_jsonl
-from hscapture.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.test_pipeline import check_store
 from tests.workload import Workload, make_config, make_producer

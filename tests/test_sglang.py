@@ -29,8 +29,8 @@ import torch
 from hscapture.consumer import consume_command
 from hscapture.integrations.sglang import ENV, PluginSettings, load_plugin
 from hscapture.integrations.sglang_models import GEMMA3_MLP_BRANCH, LaunchPlan, launch_plan
-from hscapture.reader import Store, open_store
-from hscapture.verify import verify_store
+from hscapture.store.reader import Store, open_store
+from hscapture.store.verify import verify_store
 from tests.conftest import short_endpoint
 
 pytest.importorskip("sglang", reason="SGLang is not installed (pip install -e '.[sglang]')")
@@ -470,7 +470,7 @@ def test_extract_stops_sglang_at_once_when_its_consumer_stops(tiny: Callable[[st
             process.kill()
     assert process.returncode == 1, stderr[-3000:]
     assert "EAGLE-3's default layers [2, 3, 3] repeat a layer at 6 decoder layers; capturing [2, 3]" in stderr
-    assert "failed: consumer exited with code -9; SGLang's generation was stopped" in stderr, stderr[-3000:]
+    assert "failed: consumer exited with code -9; the engine was stopped" in stderr, stderr[-3000:]
 
 
 def test_examples_run_as_written(tmp_path: Path) -> None:

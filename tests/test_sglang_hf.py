@@ -27,7 +27,7 @@ import torch
 
 from hscapture.consumer import consume_command
 from hscapture.integrations.sglang import ENV
-from hscapture.reader import open_store
+from hscapture.store.reader import open_store
 
 pytest.importorskip("sglang", reason="SGLang is not installed (pip install -e '.[sglang]')")
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
-"""The on-disk store, driven directly: StoreWriter fed hand-built protocol messages, read back with open_store.
+"""The on-disk store, driven directly: StoreWriter fed rows as the consumer feeds it, read back with open_store.
 
-No sockets and no ring: each test builds Layout / Chunk / RequestFinished objects itself with random,
-never-zero rows and checks what lands on disk bit for bit.
+No sockets and no ring: each test reserves rows, copies random, never-zero rows into them, commits
+them with their requests, positions and tokens, and checks what lands on disk bit for bit.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,113 +20,23 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hscapture import protocol
-from hscapture.config import DTYPES
 from hscapture.errors import StoreError
-from hscapture.reader import Store, open_store
-from hscapture.store import INDEX_FILE, META_FILE, StoreWriter, read_index, shard_name
-
-V = protocol.PROTOCOL_VERSION
-NAMES = ["layer_2", "layer_5", "last"]
-DESCRIPTIONS = ["residual entering layer 2", "residual entering layer 5", "final norm output"]
-HIDDEN = 24
-ROWS_PER_SHARD = 7
-
-
-def row_bytes(dtype: str, names: Sequence[str] = NAMES, hidden: int = HIDDEN) -> int:
-    return len(names) * hidden * DTYPES[dtype].itemsize
-
-
-def shard_bytes(dtype: str) -> int:
-    """Small shards of ROWS_PER_SHARD rows (plus slack that is not a whole row)."""
-    return ROWS_PER_SHARD * row_bytes(dtype) + 5
-
-
-def make_layout(
-    run_id: str = "run-a",
-    dtype: str = "float32",
-    hidden: int = HIDDEN,
-    names: Sequence[str] = NAMES,
-    descriptions: Sequence[str] = DESCRIPTIONS,
-) -> protocol.Layout:
-    return protocol.Layout(
-        v=V,
-        run_id=run_id,
-        consumer_id="test-consumer",
-        ring={"backend": "none"},
-        num_slots=4,
-        slot_bytes=1 << 20,
-        dtype=dtype,
-        hidden_size=hidden,
-        tensor_names=list(names),
-        tensor_descriptions=list(descriptions),
-        policy="block",
-        meta={"test": run_id},
-    )
-
-
-@dataclass
-class Request:
-    """What the engine produced for one request: every position's rows and token id."""
-
-    rows: torch.Tensor  # [tensors, n, hidden]
-    token_ids: np.ndarray  # [n]
-
-
-def make_request(n: int, dtype: str, rng: np.random.Generator, num_tensors: int = len(NAMES)) -> Request:
-    magnitude = rng.uniform(0.5, 1.5, size=(num_tensors, n, HIDDEN))
-    sign = rng.choice([-1.0, 1.0], size=magnitude.shape)
-    rows = torch.from_numpy(magnitude * sign).to(DTYPES[dtype])
-    assert bool((rows != 0).all())
-    return Request(rows=rows, token_ids=rng.integers(1, 50_000, size=n, dtype=np.int64))
-
-
-@dataclass
-class Feed:
-    """Builds chunks from segments ``(request id, positions)`` and hands them to a writer."""
-
-    writer: StoreWriter
-    requests: dict[str, Request]
-    dtype: str = "float32"
-    seq: int = 0
-    sent: dict[str, list[int]] = field(default_factory=dict)
-
-    def chunk(self, segments: Sequence[tuple[str, Sequence[int]]]) -> None:
-        pieces, positions, token_ids = [], [], []
-        for request_id, where in segments:
-            index = torch.as_tensor(list(where), dtype=torch.long)
-            request = self.requests[request_id]
-            pieces.append(request.rows[:, index])
-            positions.extend(where)
-            token_ids.extend(request.token_ids[list(where)].tolist())
-            self.sent.setdefault(request_id, []).extend(where)
-        rows = len(positions)
-        data = torch.cat(pieces, dim=1).contiguous().view(torch.uint8).reshape(-1).numpy()
-        self.seq += 1
-        message = protocol.Chunk(
-            v=V,
-            seq=self.seq,
-            step=self.seq,
-            slot=0,
-            offset=0,
-            nbytes=rows * row_bytes(self.dtype),
-            rows=rows,
-            request_ids=[s[0] for s in segments],
-            request_rows=[len(s[1]) for s in segments],
-            positions=protocol.pack_rows(np.asarray(positions)),
-            token_ids=protocol.pack_rows(np.asarray(token_ids)),
-        )
-        assert data.size == message.nbytes
-        # Round-trip through the wire format, as the consumer would see it.
-        decoded = protocol.decode_to_consumer(protocol.encode(message))
-        assert isinstance(decoded, protocol.Chunk)
-        self.writer.add_chunk(decoded, data)
-
-    def finish(self, request_id: str, reason: str = "finished", **fields: object) -> None:
-        message = protocol.RequestFinished(v=V, request_id=request_id, reason=reason, **fields)
-        decoded = protocol.decode_to_consumer(protocol.encode(message))
-        assert isinstance(decoded, protocol.RequestFinished)
-        self.writer.finish_request(decoded)
+from hscapture.store.format import INDEX_FILE, META_FILE, read_index, shard_name
+from hscapture.store.reader import Store, open_store
+from hscapture.store.records import Finish
+from hscapture.store.writer import StoreWriter
+from tests.storefeed import (
+    DESCRIPTIONS,
+    HIDDEN,
+    NAMES,
+    ROWS_PER_SHARD,
+    Feed,
+    Request,
+    make_layout,
+    make_request,
+    shard_bytes,
+    shard_files,
+)
 
 
 def assert_rows(store: Store, key: str, request: Request, positions: Sequence[int]) -> None:
@@ -143,10 +52,6 @@ def assert_rows(store: Store, key: str, request: Request, positions: Sequence[in
         assert got.dtype == want.dtype, name
         assert got.shape == (len(order), HIDDEN), name
         assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), (key, name)
-
-
-def shard_files(root: Path) -> list[Path]:
-    return sorted(root.glob("shard-*.safetensors"))
 
 
 @pytest.fixture
@@ -169,7 +74,7 @@ def test_rows_reassemble_bitwise_across_shards(tmp_path: Path, dtype: str, seed:
     lengths = {"r-short": 1, "r-a": 5, "r-b": 23, "r-c": 40, "r-d": 9, "r-e": 17, "r-f": 31}
     requests = {key: make_request(n, dtype, rng) for key, n in lengths.items()}
     writer = new_writer(tmp_path, dtype, writer_threads=2)
-    writer.begin_run(make_layout(dtype=dtype))
+    writer.begin_run(*make_layout(dtype=dtype))
     feed = Feed(writer, requests, dtype)
     done = dict.fromkeys(lengths, 0)
     waiting = list(lengths)
@@ -218,7 +123,7 @@ def test_rows_reassemble_bitwise_across_shards(tmp_path: Path, dtype: str, seed:
 def test_interleaved_requests_within_and_across_chunks(tmp_path: Path, rng: np.random.Generator) -> None:
     requests = {key: make_request(12, "float32", rng) for key in ("a", "b", "c")}
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, requests)
     feed.chunk([("a", range(0, 3)), ("b", range(0, 2)), ("c", range(0, 4))])
     feed.chunk([("b", range(2, 7)), ("a", range(3, 4))])
@@ -240,7 +145,7 @@ def test_spans_point_at_the_shard_rows(tmp_path: Path, rng: np.random.Generator)
     """Spans in the index point at exactly the shard rows of the request, in the order they came."""
     requests = {"x": make_request(10, "float32", rng), "y": make_request(10, "float32", rng)}
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, requests)
     feed.chunk([("x", range(0, 5)), ("y", range(0, 5))])
     feed.chunk([("x", range(5, 10)), ("y", range(5, 10))])
@@ -255,7 +160,7 @@ def test_spans_point_at_the_shard_rows(tmp_path: Path, rng: np.random.Generator)
 def test_loss_mask_ranges_are_materialized(tmp_path: Path, rng: np.random.Generator) -> None:
     requests = {"m": make_request(12, "float32", rng), "none": make_request(4, "float32", rng)}
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, requests)
     feed.chunk([("m", range(6, 12)), ("none", range(4))])
     feed.chunk([("m", range(0, 6))])
@@ -291,7 +196,7 @@ def test_gap_in_positions_is_incomplete_with_missing(
 ) -> None:
     request = make_request(20, "float32", rng)
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, {"g": request})
     for part in sent:
         feed.chunk([("g", part)])
@@ -313,7 +218,7 @@ def test_gap_in_positions_is_incomplete_with_missing(
 def test_request_never_finished_gets_the_end_run_reason(tmp_path: Path, rng: np.random.Generator) -> None:
     requests = {"open": make_request(9, "float32", rng), "done": make_request(3, "float32", rng)}
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, requests)
     feed.chunk([("open", range(0, 9)), ("done", range(3))])
     feed.finish("done", num_tokens=3)
@@ -335,7 +240,7 @@ def test_request_never_finished_gets_the_end_run_reason(tmp_path: Path, rng: np.
 
 def test_close_marks_open_requests_with_its_reason(tmp_path: Path, rng: np.random.Generator) -> None:
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     Feed(writer, {"r": make_request(4, "float32", rng)}).chunk([("r", range(4))])
     writer.close("process 4242 exited")
     writer.close("again")  # idempotent: nothing more is written
@@ -347,10 +252,10 @@ def test_close_marks_open_requests_with_its_reason(tmp_path: Path, rng: np.rando
 def test_new_layout_ends_the_previous_run(tmp_path: Path, rng: np.random.Generator) -> None:
     requests = {"old": make_request(4, "float32", rng), "new": make_request(4, "float32", rng)}
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout("run-a"))
+    writer.begin_run(*make_layout("run-a"))
     feed = Feed(writer, requests)
     feed.chunk([("old", range(4))])
-    writer.begin_run(make_layout("run-b"))  # the producer restarted
+    writer.begin_run(*make_layout("run-b"))  # the producer restarted
     feed.chunk([("new", range(4))])
     feed.finish("new", num_tokens=4)
     writer.close()
@@ -365,7 +270,7 @@ def test_new_layout_ends_the_previous_run(tmp_path: Path, rng: np.random.Generat
 def test_aborted_request_is_incomplete(tmp_path: Path, rng: np.random.Generator, reason: str) -> None:
     request = make_request(6, "bfloat16", rng)
     writer = new_writer(tmp_path, "bfloat16")
-    writer.begin_run(make_layout(dtype="bfloat16"))
+    writer.begin_run(*make_layout(dtype="bfloat16"))
     feed = Feed(writer, {"x": request}, "bfloat16")
     feed.chunk([("x", range(6))])
     feed.finish("x", reason, num_tokens=6)
@@ -379,7 +284,7 @@ def test_aborted_request_is_incomplete(tmp_path: Path, rng: np.random.Generator,
 def test_dropped_and_duplicate_rows_make_a_request_incomplete(tmp_path: Path, rng: np.random.Generator) -> None:
     requests = {"drop": make_request(6, "float32", rng), "dup": make_request(6, "float32", rng)}
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, requests)
     feed.chunk([("drop", range(0, 4)), ("dup", range(0, 6))])
     feed.chunk([("dup", range(2, 4))])
@@ -396,8 +301,8 @@ def test_dropped_and_duplicate_rows_make_a_request_incomplete(tmp_path: Path, rn
 
 def test_finished_request_without_rows(tmp_path: Path) -> None:
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
-    writer.finish_request(protocol.RequestFinished(v=V, request_id="empty", reason="finished", num_tokens=3))
+    writer.begin_run(*make_layout())
+    writer.finish_request("empty", Finish("finished", num_tokens=3))
     writer.close()
     store = open_store(tmp_path)
     record = store.record("empty")
@@ -410,10 +315,56 @@ def test_finished_request_without_rows(tmp_path: Path) -> None:
 def test_data_before_any_run_is_refused(tmp_path: Path, rng: np.random.Generator) -> None:
     writer = new_writer(tmp_path)
     try:
-        with pytest.raises(StoreError, match=r"data before any run began \(no Layout received\)"):
+        with pytest.raises(StoreError, match=r"data before any run began \(begin_run first\)"):
             Feed(writer, {"r": make_request(2, "float32", rng)}).chunk([("r", range(2))])
     finally:
         writer.close()
+
+
+def test_reserve_without_waiting_says_when_every_buffer_waits_for_commits(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """A buffer is written (and freed) only once all of its rows are committed: the caller commits first."""
+    request = make_request(3 * ROWS_PER_SHARD, "float32", rng)
+    writer = new_writer(tmp_path, writer_threads=1, shard_buffers=2)
+    writer.begin_run(*make_layout())
+    first = writer.reserve(2 * ROWS_PER_SHARD)  # both buffers, neither committed
+    assert first is not None and [p.rows for p in first.pieces] == [ROWS_PER_SHARD, ROWS_PER_SHARD]
+    assert writer.reserve(1, wait=False) is None
+    planes = request.rows.contiguous().view(torch.uint8).numpy()
+    for piece, start in zip(first.pieces, (0, ROWS_PER_SHARD)):
+        for t, plane in enumerate(piece.planes):
+            plane[:] = planes[t, start : start + piece.rows]
+    n = 2 * ROWS_PER_SHARD
+    writer.commit(first, ["r"], [n], np.arange(n), request.token_ids[:n])
+    second = writer.reserve(ROWS_PER_SHARD)  # waits for a writer thread to free a buffer
+    assert second is not None
+    for t, plane in enumerate(second.pieces[0].planes):
+        plane[:] = planes[t, n:]
+    writer.commit(second, ["r"], [ROWS_PER_SHARD], np.arange(n, n + ROWS_PER_SHARD), request.token_ids[n:])
+    Feed(writer, {}).finish("r", num_tokens=3 * ROWS_PER_SHARD)
+    writer.close()
+    assert_rows(open_store(tmp_path), "r", request, range(3 * ROWS_PER_SHARD))
+
+
+def test_a_failed_shard_write_lists_the_shards_written_before_it_and_only_their_requests(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """Shard 1 cannot be written (a directory squats its temp name): shard 0 and request a are listed, b never."""
+    requests = {"a": make_request(ROWS_PER_SHARD, "float32", rng), "b": make_request(ROWS_PER_SHARD, "float32", rng)}
+    writer = new_writer(tmp_path, writer_threads=1)
+    (tmp_path / (shard_name(1) + ".tmp")).mkdir()
+    writer.begin_run(*make_layout())
+    feed = Feed(writer, requests)
+    feed.chunk([("a", range(ROWS_PER_SHARD))])
+    feed.chunk([("b", range(ROWS_PER_SHARD))])
+    feed.finish("a", num_tokens=ROWS_PER_SHARD)
+    feed.finish("b", num_tokens=ROWS_PER_SHARD)
+    with pytest.raises(StoreError, match=rf"{shard_name(1)}: write failed: .*what the index lists is intact"):
+        writer.close()
+    store = open_store(tmp_path)
+    assert store.keys() == ["a"] and store.summary()["shards"] == 1
+    assert_rows(store, "a", requests["a"], range(ROWS_PER_SHARD))
 
 
 # --------------------------------------------------------------------------- streaming durability
@@ -423,7 +374,7 @@ def test_flush_s_makes_finished_requests_visible_while_writing(tmp_path: Path, r
     request = make_request(3, "float32", rng)  # fewer rows than a shard: only the timer writes it
     writer = new_writer(tmp_path, flush_s=0.05)
     try:
-        writer.begin_run(make_layout())
+        writer.begin_run(*make_layout())
         feed = Feed(writer, {"q": request})
         feed.chunk([("q", range(3))])
         feed.finish("q", num_tokens=3)
@@ -444,7 +395,7 @@ def test_flush_s_makes_finished_requests_visible_while_writing(tmp_path: Path, r
 def test_torn_index_line_is_ignored_then_repaired(tmp_path: Path, rng: np.random.Generator) -> None:
     first = {"a": make_request(10, "float32", rng)}
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout("run-a"))
+    writer.begin_run(*make_layout("run-a"))
     feed = Feed(writer, first)
     feed.chunk([("a", range(10))])
     feed.finish("a", num_tokens=10)
@@ -463,7 +414,7 @@ def test_torn_index_line_is_ignored_then_repaired(tmp_path: Path, rng: np.random
     second = {"b": make_request(9, "float32", rng)}
     writer = new_writer(tmp_path)
     assert index.read_bytes() == clean  # the torn tail is cut before anything is appended
-    writer.begin_run(make_layout("run-b"))
+    writer.begin_run(*make_layout("run-b"))
     feed = Feed(writer, second)
     feed.chunk([("b", range(9))])
     feed.finish("b", num_tokens=9)
@@ -485,7 +436,7 @@ def test_torn_index_line_is_ignored_then_repaired(tmp_path: Path, rng: np.random
 def test_leftover_tmp_files_are_removed_and_never_listed(tmp_path: Path, rng: np.random.Generator) -> None:
     request = make_request(8, "float32", rng)
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, {"a": request})
     feed.chunk([("a", range(8))])
     feed.finish("a", num_tokens=8)
@@ -525,7 +476,7 @@ def test_shards_are_plain_safetensors(tmp_path: Path, rng: np.random.Generator) 
     lengths = {"p": 6, "q": 5, "r": 4}
     requests = {key: make_request(n, "float32", rng) for key, n in lengths.items()}
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, requests)
     feed.chunk([("p", range(0, 3)), ("q", range(0, 5))])
     feed.chunk([("r", range(0, 4)), ("p", range(3, 6))])
@@ -580,7 +531,7 @@ def test_shards_are_plain_safetensors(tmp_path: Path, rng: np.random.Generator) 
 def test_bfloat16_shards_declare_bf16(tmp_path: Path, rng: np.random.Generator) -> None:
     request = make_request(3, "bfloat16", rng)
     writer = new_writer(tmp_path, "bfloat16")
-    writer.begin_run(make_layout(dtype="bfloat16"))
+    writer.begin_run(*make_layout(dtype="bfloat16"))
     feed = Feed(writer, {"b": request}, "bfloat16")
     feed.chunk([("b", range(3))])
     feed.finish("b", num_tokens=3)
@@ -617,7 +568,7 @@ def test_second_writer_is_refused_while_the_first_is_open(tmp_path: Path) -> Non
 def test_writer_in_another_process_holds_the_lock(tmp_path: Path) -> None:
     root = tmp_path / "store"
     script = (
-        "import sys; from hscapture.store import StoreWriter\n"
+        "import sys; from hscapture.store.writer import StoreWriter\n"
         f"w = StoreWriter({str(root)!r}, 1 << 20)\n"
         "print('ready', flush=True); sys.stdin.read(); w.close()\n"
     )
@@ -649,7 +600,7 @@ def test_begin_run_with_other_tensors_is_refused(
 ) -> None:
     request = make_request(4, "float32", rng)
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, {"a": request})
     feed.chunk([("a", range(4))])
     feed.finish("a", num_tokens=4)
@@ -659,7 +610,7 @@ def test_begin_run_with_other_tensors_is_refused(
     writer = new_writer(tmp_path)
     try:
         with pytest.raises(StoreError) as exc:
-            writer.begin_run(make_layout("run-b", **change))
+            writer.begin_run(*make_layout("run-b", **change))
     finally:
         writer.close()
     message = str(exc.value)
@@ -675,7 +626,7 @@ def test_begin_run_with_other_tensors_is_refused(
 def test_same_tensors_append_a_second_run(tmp_path: Path, rng: np.random.Generator) -> None:
     for run, key in (("run-a", "a"), ("run-b", "b")):
         writer = new_writer(tmp_path)
-        writer.begin_run(make_layout(run))
+        writer.begin_run(*make_layout(run))
         feed = Feed(writer, {key: make_request(3, "float32", rng)})
         feed.chunk([(key, range(3))])
         feed.finish(key, num_tokens=3)
@@ -690,7 +641,7 @@ def test_same_tensors_append_a_second_run(tmp_path: Path, rng: np.random.Generat
 
 def test_get_unknown_key_names_the_key(tmp_path: Path, rng: np.random.Generator) -> None:
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, {"known": make_request(2, "float32", rng)})
     feed.chunk([("known", range(2))])
     feed.finish("known", num_tokens=2)
@@ -709,7 +660,7 @@ def test_get_unknown_key_names_the_key(tmp_path: Path, rng: np.random.Generator)
 def test_missing_shard_file_is_named(tmp_path: Path, rng: np.random.Generator) -> None:
     request = make_request(10, "float32", rng)
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, {"a": request})
     feed.chunk([("a", range(10))])
     feed.finish("a", num_tokens=10)
@@ -730,7 +681,7 @@ def test_open_store_on_an_empty_directory(tmp_path: Path) -> None:
 
 def test_corrupt_index_line_in_the_middle_is_an_error(tmp_path: Path, rng: np.random.Generator) -> None:
     writer = new_writer(tmp_path)
-    writer.begin_run(make_layout())
+    writer.begin_run(*make_layout())
     feed = Feed(writer, {"a": make_request(2, "float32", rng)})
     feed.chunk([("a", range(2))])
     feed.finish("a", num_tokens=2)

@@ -26,11 +26,12 @@ import numpy as np
 import pytest
 import torch
 
-from hscapture import protocol
 from hscapture.errors import StoreError
-from hscapture.store import StoreWriter, crc32_combine, shard_checksums
-from hscapture.verify import BLOCK_BYTES, ShardCheck, VerifyReport, format_report, verify_store
-from tests.test_store import ROWS_PER_SHARD, Feed, make_layout, make_request, shard_bytes
+from hscapture.store.checksum import crc32_combine
+from hscapture.store.records import Finish
+from hscapture.store.verify import BLOCK_BYTES, ShardCheck, VerifyReport, format_report, verify_store
+from hscapture.store.writer import StoreWriter
+from tests.storefeed import ROWS_PER_SHARD, Feed, make_layout, make_request, shard_bytes, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = {"r-a": 5, "r-b": 12, "r-c": 9, "r-d": 16}  # 42 rows: six full shards of 7
@@ -54,7 +55,7 @@ def build_store(root: Path, seed: int = 0) -> Built:
     writer = StoreWriter(root, shard_bytes("float32"), writer_threads=2)
     arrival: list[str] = []
     try:
-        writer.begin_run(make_layout())
+        writer.begin_run(*make_layout())
         feed = Feed(writer, requests, "float32")
         done = dict.fromkeys(LENGTHS, 0)
         while any(done[k] < n for k, n in LENGTHS.items()):
@@ -150,8 +151,11 @@ def test_crc32_combine_equals_zlib_over_the_concatenation() -> None:
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b), (size_a, size_b)
 
 
-def test_shard_checksums_of_bytes_with_gaps_and_empty_tensors() -> None:
-    """A hand-made safetensors file: bytes between tensors, an empty tensor, trailing bytes."""
+def test_shard_checksums_of_bytes_with_gaps_and_empty_tensors(tmp_path: Path) -> None:
+    """A hand-made safetensors file: bytes between tensors, an empty tensor, trailing bytes.
+
+    Listed with zlib's checksums of its bytes, it verifies: verify computes exactly those.
+    """
     header = {
         "__metadata__": {"k": "v"},
         "x": {"dtype": "U8", "shape": [3], "data_offsets": [2, 5]},
@@ -160,14 +164,22 @@ def test_shard_checksums_of_bytes_with_gaps_and_empty_tensors() -> None:
     }
     text = json.dumps(header).encode()
     data = struct.pack("<Q", len(text)) + text + bytes(range(1, 14))
-    whole, tensors = shard_checksums(data)
     base = 8 + len(text)
-    assert whole == f"{zlib.crc32(data):08x}"
-    assert tensors == {
+    whole = f"{zlib.crc32(data):08x}"
+    tensors = {
         "x": f"{zlib.crc32(data[base + 2 : base + 5]):08x}",
         "e": "00000000",
         "y": f"{zlib.crc32(data[base + 7 : base + 11]):08x}",
     }
+    (tmp_path / "shard-000000.safetensors").write_bytes(data)
+    (tmp_path / "meta.json").write_text(json.dumps({"format": "hscapture-store", "version": 1}))
+    line = {"type": "shard", "id": 0, "file": "shard-000000.safetensors", "rows": 0, "bytes": len(data)}
+    (tmp_path / "index.jsonl").write_text(json.dumps({**line, "crc32": whole, "tensor_crc32": tensors}) + "\n")
+    report = verify_store(tmp_path)
+    assert report.ok and [c.id for c in report.verified] == [0], report
+    flip(tmp_path / "shard-000000.safetensors", base + 6)  # a byte between two tensors: the file's crc32 only
+    (bad,) = verify_store(tmp_path).corrupted
+    assert bad.tensors == [] and "every tensor matches: the header differs" in bad.problems[0]
 
 
 # ------------------------------------------------------------------------------ clean store
@@ -289,30 +301,13 @@ def test_a_truncated_shard_is_corrupted(built: Built) -> None:
 def test_a_flip_that_crosses_read_blocks_is_found(tmp_path: Path) -> None:
     """A shard larger than one 8 MiB read block; the damaged byte lies just past the first block."""
     hidden, rows = 2048, 500  # 3 float32 tensors of 4 MiB: one spans the block boundary
-    layout = make_layout(hidden=hidden)
     rng = np.random.default_rng(3)
     values = torch.from_numpy(rng.uniform(0.5, 1.5, size=(3, rows, hidden)).astype(np.float32))
     writer = StoreWriter(tmp_path, shard_bytes=64 << 20, writer_threads=1)
     try:
-        writer.begin_run(layout)
-        data = values.contiguous().view(torch.uint8).reshape(-1).numpy()
-        chunk = protocol.Chunk(
-            v=protocol.PROTOCOL_VERSION,
-            seq=1,
-            step=1,
-            slot=0,
-            offset=0,
-            nbytes=data.size,
-            rows=rows,
-            request_ids=["big"],
-            request_rows=[rows],
-            positions=protocol.pack_rows(np.arange(rows)),
-            token_ids=protocol.pack_rows(np.arange(rows) + 1),
-        )
-        writer.add_chunk(chunk, data)
-        writer.finish_request(
-            protocol.RequestFinished(v=protocol.PROTOCOL_VERSION, request_id="big", reason="finished", num_tokens=rows)
-        )
+        writer.begin_run(*make_layout(hidden=hidden))
+        write_rows(writer, values, ["big"], [rows], np.arange(rows), np.arange(rows) + 1)
+        writer.finish_request("big", Finish("finished", num_tokens=rows))
     finally:
         writer.close()
     path = tmp_path / "shard-000000.safetensors"

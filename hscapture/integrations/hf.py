@@ -10,19 +10,26 @@ the model's final norm: HF's ``output_hidden_states[-1]``, what the LM head read
 The hooks only keep references during the forward; :meth:`HFCapture.collect` hands them
 to the producer right after it, which copies the kept rows into the ring. HF's eager
 forward never writes those tensors in place, so the references stay valid until then.
+:class:`HFExtraction` is the ``hf`` engine of ``hscapture extract``: it loads the model and
+runs the forward passes that :func:`hscapture.extract.extract` schedules.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from hscapture.config import check_layer_ids
+from hscapture.config import DTYPES, CaptureConfig, MiB, check_layer_ids, dtype_name
 from hscapture.config import eagle3_default_layers as eagle3_default_layers  # extract and tests import it here
+from hscapture.data import Sample, loss_mask_ranges, pad_batch, plan_batches
+from hscapture.errors import HSCaptureError
+from hscapture.producer import Producer
 
 LAST = "last"
 
@@ -190,3 +197,153 @@ def greedy_generate(
         # The last generated token was never fed back, so it has no hidden state.
         producer.finish_request(request_id, num_tokens=lengths[row] + max_new_tokens - 1)
     return generated
+
+
+def load_model(model_dir: Path | None, dtype: str | None, device: str) -> tuple[Any, Any, Path]:
+    """Tokenizer and eval-mode causal LM; with no directory, the embedded tiny Llama."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from hscapture.tiny import ensure_tiny_model
+
+    path = Path(model_dir) if model_dir is not None else ensure_tiny_model()
+    if not (path / "config.json").exists():
+        raise ValueError(f"--model: {str(path)!r} has no config.json; give a local HF model directory")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype] if dtype else "auto"}
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+    return tokenizer, model, path
+
+
+def kept_rows(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the real (non-padding) rows of a ``[B, T]`` batch, request by request."""
+    return torch.nonzero(attention_mask.reshape(-1), as_tuple=True)[0]
+
+
+class HFExtraction:
+    """``hscapture extract --engine hf``: right-padded teacher-forced batches through a transformers model.
+
+    Each batch is one forward call; its real rows go to a block-policy producer (padding rows are
+    never announced) and each sample is finished with its loss mask. The forward of the next batch
+    waits for nothing but ring credit: the consumer releases a slot as soon as it copied it out.
+
+    Args:
+        model: HF model directory (None: the embedded tiny Llama).
+        layers: layer ids (None: EAGLE-3's default for the model).
+        capture_last: also capture the post-norm final state.
+        dtype: activation dtype name (None: the model's own).
+        device: where the model runs; ``cuda`` models get the CUDA ring.
+        max_batch_tokens: padded tokens per forward call.
+        max_batch_size: samples per forward call.
+
+    Raises:
+        ValueError: no model there, a bad dtype or a layer id out of range.
+    """
+
+    def __init__(
+        self,
+        model: Path | None,
+        layers: Sequence[int] | None,
+        capture_last: bool,
+        dtype: str | None,
+        device: str,
+        max_batch_tokens: int,
+        max_batch_size: int,
+    ) -> None:
+        self.tokenizer, self.model, path = load_model(model, dtype, device)
+        num_layers = self.model.config.num_hidden_layers
+        self.layers = tuple(layers) if layers is not None else eagle3_default_layers(num_layers)
+        self.capture = HFCapture(self.model, self.layers, capture_last)
+        self.dtype = dtype or dtype_name(next(self.model.parameters()).dtype)
+        self.device = next(self.model.parameters()).device
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.meta: dict[str, Any] = {"engine": "hf", "model": str(path), "dtype": self.dtype}
+        self.producer: Producer | None = None
+        self._longest = 1
+
+    def plan(self, samples: Sequence[Sample]) -> list[list[Sample]]:
+        self._longest = max(len(s.input_ids) for s in samples)
+        return plan_batches(samples, self.max_batch_tokens, self.max_batch_size)
+
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
+        capture = self.capture
+        config = self.capture_config(endpoint, max(self.max_batch_tokens, self._longest))
+        descriptions = describe(capture.layers, capture.capture_last, capture.num_layers)
+        run_meta = {**self.meta, **meta}
+        self.producer = Producer(config, tensor_descriptions=descriptions, meta=run_meta, watchdog=watchdog)
+        deadline = time.monotonic() + config.block_timeout_s
+        while not self.producer.attached:  # attach first, so that later credit waits are the disk's alone
+            watchdog()
+            if time.monotonic() > deadline:
+                raise HSCaptureError(f"no consumer attached to {endpoint} within {config.block_timeout_s:.0f} s")
+            self.producer.poll()
+            time.sleep(0.005)
+
+    def capture_config(self, endpoint: str, max_rows: int) -> CaptureConfig:
+        """A block-policy capture of ``max_rows`` rows per step, the ring holding two such steps.
+
+        Slots of 4 MiB (a prefill batch is thousands of rows): fewer announcements and copies per batch.
+        """
+        hidden = self.model.config.hidden_size
+        row_bytes = len(self.capture.names) * hidden * DTYPES[self.dtype].itemsize
+        slot_bytes = max(4 * MiB, -(-row_bytes // 256) * 256)
+        slots = max(8, 2 * -(-max_rows // (slot_bytes // row_bytes)))
+        return CaptureConfig(
+            layers=self.layers,
+            hidden_size=hidden,
+            num_layers=self.capture.num_layers,
+            capture_last=self.capture.capture_last,
+            dtype=self.dtype,
+            slot_bytes=slot_bytes,
+            ring_bytes=slots * slot_bytes,
+            max_step_rows=max_rows,
+            policy="block",
+            endpoint=endpoint,
+            device="cuda" if self.device.type == "cuda" else "cpu",  # GPU models get the CUDA ring
+        )
+
+    def run(self, batch: list[Sample]) -> int:
+        """One forward call over a right-padded batch; announce the real rows; finish each request."""
+        assert self.producer is not None, "start first"
+        input_ids, attention_mask = pad_batch(batch, self.pad_id)
+        with torch.inference_mode():
+            self.model(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False
+            )
+        lengths = [len(s.input_ids) for s in batch]
+        self.producer.capture_step(
+            self.capture.collect(),
+            request_ids=[s.key for s in batch],
+            request_rows=lengths,
+            positions=torch.cat([torch.arange(n) for n in lengths]),
+            token_ids=torch.cat([torch.tensor(s.input_ids) for s in batch]),
+            row_index=kept_rows(attention_mask).to(self.device),
+        )
+        for sample in batch:
+            self.producer.finish_request(
+                sample.key, num_tokens=len(sample.input_ids), loss_mask=loss_mask_ranges(sample.loss_mask)
+            )
+        return sum(lengths)
+
+    def waited_s(self) -> float | None:
+        return None if self.producer is None else self.producer.counters.credit_wait_us / 1e6
+
+    def end(self) -> None:
+        """Close the producer (end of stream); block policy drops nothing, so any drop is a bug."""
+        if self.producer is not None:
+            counters = self.producer.close()
+            if counters.rows_dropped:
+                raise HSCaptureError(f"{counters.rows_dropped} rows dropped under block policy: this is a bug")
+
+    def shutdown(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+        self.capture.remove()
+
+    def check(self, store: Any) -> None:
+        return None

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from hscapture.config import DTYPES
 from hscapture.errors import StoreError
 from hscapture.fp8 import FP8, FP8_NAME, dequantize_rows, scale_name
-from hscapture.store import META_FILE, read_index, shard_name
+from hscapture.store.format import META_FILE, read_index, shard_name
 
 ROW_FIELDS = ("positions", "token_ids")
 

@@ -1,10 +1,15 @@
 """The consumer process: attach to a producer, copy slots out, release them, write the store.
 
-It knows nothing of models. It says hello on the ``release`` socket until a producer
-answers with a :class:`~hscapture.protocol.Layout`, opens the ring that layout describes
-(once), and then for each announced chunk copies the rows into the store's shard buffers
-and releases the slot at once; writer threads take it from there. It keeps saying hello
-as a heartbeat, which is how a restarted producer (new run id) finds it again.
+It knows nothing of models, and it is the one module that joins the wire, the ring and the
+store. It says hello on the ``release`` socket until a producer answers with a
+:class:`~hscapture.protocol.Layout`, opens the ring that layout describes (once), and then for
+each announced chunk: reserves rows in the store (destination views in its shard buffers),
+copies the slot's planes into them (asynchronously on the CUDA ring), and once the copies have
+landed releases the slot and commits the rows with their requests, positions and tokens.
+Request ends are handed to the store in wire order, after the rows announced before them.
+Writer threads take it from there. It keeps saying hello as a heartbeat, which is how a
+restarted producer (new run id) finds it again. With ``discard`` there is no store: each chunk
+is copied into one reused buffer (pinned for a CUDA ring) and released, for drain benchmarks.
 """
 
 from __future__ import annotations
@@ -22,18 +27,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
 from hscapture import protocol
 from hscapture.config import DTYPES, ConsumerConfig
-from hscapture.errors import AccessError, HSCaptureError, ProtocolError
-from hscapture.metrics import DropTally, Snapshot
+from hscapture.consumer.metrics import DropTally, Snapshot
+from hscapture.errors import AccessError, HSCaptureError, ProtocolError, short_repr
 from hscapture.ownership import pid_alive, process_place
-from hscapture.protocol import short_repr
 from hscapture.ring import RingReader, open_ring
-from hscapture.sink import NullSink
-from hscapture.store import StoreWriter
+from hscapture.store.records import Finish
+from hscapture.store.writer import Reservation, RowGeometry, StoreWriter
 from hscapture.transport import ConsumerSockets, client_credentials, read_token
 
 log = logging.getLogger(__name__)
@@ -61,6 +66,29 @@ class ConsumerStats:
         return asdict(self)
 
 
+@dataclass
+class _Copy:
+    """A chunk whose copies are in flight: release its slot and commit its rows once ``token`` is done."""
+
+    slot: int
+    seq: int
+    rows: int
+    token: Any  # from RingReader.mark
+    reservation: Reservation | None  # None with discard
+    request_ids: list[str]
+    request_rows: list[int]
+    positions: np.ndarray
+    token_ids: np.ndarray
+
+
+@dataclass
+class _End:
+    """A request's end, handed to the store after the rows announced before it."""
+
+    request_id: str
+    finish: Finish
+
+
 class Consumer:
     """Attaches to one producer endpoint and writes what it announces into a store.
 
@@ -82,14 +110,13 @@ class Consumer:
         if torch.cuda.is_available():
             torch.cuda.init()  # before saying hello: a CUDA ring then opens in a millisecond, not a second
         self.stats = ConsumerStats()
-        self.store: StoreWriter | NullSink
-        if config.discard:
-            self.store = NullSink()
-        else:
+        self.store: StoreWriter | None = None
+        if not config.discard:
             self.store = StoreWriter(
                 config.check_out_dir(),
                 config.shard_bytes,
                 config.writer_threads,
+                config.shard_buffers,
                 config.flush_s,
                 store_dtype=config.store_dtype,
             )
@@ -98,13 +125,16 @@ class Consumer:
         self._layout: protocol.Layout | None = None
         self._ring: RingReader | None = None
         self._row_bytes = 0
+        self._plane_row_bytes = 0
+        #: With discard: the one buffer every chunk is copied into.
+        self._discard: np.ndarray | None = None
         self._last_seq = 0
         self._producer_pid = 0
         #: The last announcement taken per slot (seq, hash of its bytes): the very same announcement
         #: coming again after a re-attach is released again instead of rejected as a replay.
         self._announced: dict[int, tuple[int, int]] = {}
-        #: Slots whose copies are in flight: (slot, seq, rows, token from RingReader.mark).
-        self._copying: deque[tuple[int, int, int, Any]] = deque()
+        #: Chunks whose copies are in flight and request ends behind them, in wire order.
+        self._pending: deque[_Copy | _End] = deque()
         self._drops = DropTally()
         #: Ring slots in flight as the producer reported with its last chunk, and releases since.
         self._ring_used_at_chunk = 0
@@ -135,9 +165,9 @@ class Consumer:
                     if self._producer_died() and self.config.exit_on_eos:
                         return self.stats
                     self._hello()
-                if self._copying and not self._announce.poll(0):
-                    self._release_copied(oldest=True)  # nothing new: wait for the oldest copy, not a timer
-                if self._copying or self._announce.poll(self.config.heartbeat_ms):
+                if self._pending and not self._announce.poll(0):
+                    self._settle(oldest=True)  # nothing new: wait for the oldest copy, not a timer
+                if self._pending or self._announce.poll(self.config.heartbeat_ms):
                     for _ in range(_BATCH):
                         try:
                             data = self._announce.recv(zmq.NOBLOCK)
@@ -145,8 +175,9 @@ class Consumer:
                             break
                         if self._handle(data) and self.config.exit_on_eos:
                             return self.stats
-                self._release_copied()
-                self.store.tick()
+                self._settle()
+                if self.store is not None:
+                    self.store.tick()
                 if self.on_tick is not None:
                     self.on_tick()
                 if self.config.watch_pid is not None and not pid_alive(self.config.watch_pid):
@@ -163,7 +194,9 @@ class Consumer:
             return
         self._closed = True
         try:
-            self.store.close(reason)
+            self._settle(wait=True)
+            if self.store is not None:
+                self.store.close(reason)
         except HSCaptureError as exc:  # e.g. the disk is still full: what is indexed stays intact
             log.error("the store could not be finished: %s", exc)
         finally:
@@ -201,9 +234,8 @@ class Consumer:
             elif isinstance(message, protocol.Chunk):
                 self._on_chunk(message, hash(data))
             elif isinstance(message, protocol.RequestFinished):
-                self.store.finish_request(message)
+                self._on_finished(message)
                 self.stats.requests_finished += 1
-                self.stats.rows_dropped = self._drops.request(message.dropped_rows)
             elif isinstance(message, protocol.EndOfStream):
                 return self._on_end(message)
         except ProtocolError as exc:
@@ -229,13 +261,18 @@ class Consumer:
         self._close_ring()
         self._ring = ring
         self._refused_since = None
-        self.store.allocate = ring.allocate
-        self.store.barrier = ring.complete
-        self.store.begin_run(layout)
+        if self.store is None:
+            self._discard = ring.allocate(layout.slot_bytes)
+        else:
+            geometry = RowGeometry(
+                tuple(layout.tensor_names), tuple(layout.tensor_descriptions), layout.dtype, layout.hidden_size
+            )
+            self.store.begin_run(layout.run_id, geometry, layout.meta, allocate=ring.allocate)
         self._layout = layout
         # A producer we cannot see (another pid namespace) is not watched: never end a live run.
         self._producer_pid = layout.pid if 0 < layout.pid < 2**31 and pid_alive(layout.pid) else 0
-        self._row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
+        self._plane_row_bytes = layout.hidden_size * DTYPES[layout.dtype].itemsize
+        self._row_bytes = len(layout.tensor_names) * self._plane_row_bytes
         self._last_seq = 0
         self._announced = {}
         self._ring_used_at_chunk = 0
@@ -265,33 +302,95 @@ class Consumer:
                 self._send_release(chunk.slot, chunk.seq)  # re-attach: copied already, so release it again
                 return
             raise ProtocolError(f"Chunk.seq: {chunk.seq} after {self._last_seq}; replayed or out of order")
-        self._last_seq = chunk.seq
+        self._last_seq = chunk.seq  # used, even if the chunk is refused below: it cannot be replayed
         self._announced[chunk.slot] = (chunk.seq, digest)
+        positions = protocol.unpack_rows(chunk.positions, chunk.rows, "positions")
+        token_ids = protocol.unpack_rows(chunk.token_ids, chunk.rows, "token_ids")
         if self.config.delay_ms:
             time.sleep(self.config.delay_ms / 1000)
         log.debug("chunk seq %d slot %d rows %d", chunk.seq, chunk.slot, chunk.rows)
+        reservation = self._reserve(chunk.rows)
         ring.begin(chunk.slot)
-        self.store.add_chunk(chunk, ring)
-        self._copying.append((chunk.slot, chunk.seq, chunk.rows, ring.mark()))
+        if reservation is None:
+            assert self._discard is not None
+            ring.copy_into(chunk.offset, self._discard[: chunk.nbytes])
+        else:
+            self._copy(ring, chunk, reservation)
+        copy = _Copy(
+            chunk.slot, chunk.seq, chunk.rows, ring.mark(), reservation,
+            chunk.request_ids, chunk.request_rows, positions, token_ids,
+        )  # fmt: skip
+        self._pending.append(copy)
         self.stats.chunks += 1
         self.stats.rows += chunk.rows
         self.stats.rows_dropped = self._drops.reported(chunk.dropped_rows)
         self._ring_used_at_chunk, self._released_since_chunk = chunk.ring_slots_used, 0
-        self._release_copied()
+        self._settle()
 
-    def _release_copied(self, wait: bool = False, oldest: bool = False) -> None:
-        """Give back every slot whose copies have landed (after waiting for all, or the oldest)."""
-        ring = self._ring
+    def _reserve(self, rows: int) -> Reservation | None:
+        """Room in the store for ``rows`` rows (None with discard).
+
+        When every shard buffer is full, those waiting for copies in flight are committed first:
+        a buffer is written, and so freed, only once all of its rows are in.
+        """
+        if self.store is None:
+            return None
+        reservation = self.store.reserve(rows, wait=False)
+        if reservation is None:
+            self._settle(wait=True)
+            reservation = self.store.reserve(rows)  # waits for a writer thread: the disk sets the pace
+        assert reservation is not None
+        return reservation
+
+    def _copy(self, ring: RingReader, chunk: protocol.Chunk, reservation: Reservation) -> None:
+        """Issue the copies of a slot's ``[tensors, row_stride or rows, hidden]`` planes into the reserved rows."""
+        plane_row = self._plane_row_bytes
+        plane_bytes = (chunk.row_stride or chunk.rows) * plane_row
+        begin = 0
+        for piece in reservation.pieces:
+            for t, plane in enumerate(piece.planes):
+                ring.copy_into(chunk.offset + t * plane_bytes + begin * plane_row, plane.reshape(-1))
+            begin += piece.rows
+
+    def _on_finished(self, message: protocol.RequestFinished) -> None:
+        """Count the request's drops now; hand its end to the store behind the rows announced before it."""
+        self.stats.rows_dropped = self._drops.request(message.dropped_rows)
+        if self.store is None:
+            return
+        finish = Finish(message.reason, message.num_tokens, message.dropped_rows, message.loss_mask, message.meta)
+        self._pending.append(_End(message.request_id, finish))
+        self._settle()
+
+    def _settle(self, wait: bool = False, oldest: bool = False) -> None:
+        """Release every slot whose copies have landed and commit its rows; hand on the request ends behind them.
+
+        Args:
+            wait: first wait for every copy issued.
+            oldest: first wait for the oldest chunk's copies.
+        """
+        ring, pending = self._ring, self._pending
         if ring is None:
             return
         if wait:
             ring.complete()
-        elif oldest and self._copying:
-            ring.wait(self._copying[0][3])
-        while self._copying and ring.done(self._copying[0][3]):
-            slot, seq, rows, _ = self._copying.popleft()
-            self._send_release(slot, seq)
-            self.stats.rows_released += rows
+        elif oldest and pending and isinstance(pending[0], _Copy):
+            ring.wait(pending[0].token)
+        while pending:
+            entry = pending[0]
+            if isinstance(entry, _End):
+                assert self.store is not None
+                self.store.finish_request(entry.request_id, entry.finish)
+            elif ring.done(entry.token):
+                self._send_release(entry.slot, entry.seq)
+                self.stats.rows_released += entry.rows
+                if entry.reservation is not None:
+                    assert self.store is not None
+                    self.store.commit(
+                        entry.reservation, entry.request_ids, entry.request_rows, entry.positions, entry.token_ids
+                    )
+            else:
+                return
+            pending.popleft()
 
     def _send_release(self, slot: int, seq: int) -> None:
         log.debug("release slot %d seq %d", slot, seq)
@@ -305,7 +404,6 @@ class Consumer:
     def _on_end(self, message: protocol.EndOfStream) -> bool:
         if message.run_id != self.run_id:
             return False
-        self._release_copied(wait=True)  # the producer frees its ring once every slot is back
         self.stats.rows_dropped = self._drops.reported(message.counters.get("rows_dropped", 0))
         reason = "end of stream"
         if message.error:
@@ -314,16 +412,22 @@ class Consumer:
             self.stats.producer_failures += 1
             reason = f"capture failed in the producer: {self.last_failure}"
             log.error("run %s: %s; nothing more comes from this run", message.run_id, reason)
-        self.store.end_run(reason, message.counters)
-        self._close_ring()
-        self._layout = None
+        self._end_run(reason, message.counters)  # the producer frees its ring once every slot is back
         self.stats.end_of_streams += 1
         log.info("run %s ended: %s", message.run_id, message.counters)
         return True
 
+    def _end_run(self, reason: str, counters: dict[str, int]) -> None:
+        """Land every copy and release its slot, end the store's run, close the ring, detach."""
+        self._settle(wait=True)
+        if self.store is not None:
+            self.store.end_run(reason, counters)
+        self._close_ring()
+        self._layout = None
+
     def snapshot(self) -> Snapshot:
-        """The counters live metrics show (see :mod:`hscapture.metrics`)."""
-        layout = self._layout
+        """The counters live metrics show (see :mod:`hscapture.consumer.metrics`)."""
+        layout, store = self._layout, self.store
         in_flight = self._ring_used_at_chunk - self._released_since_chunk  # the producer's figure, aged by our releases
         return Snapshot(
             time=time.monotonic(),
@@ -331,10 +435,10 @@ class Consumer:
             runs=self.stats.runs,
             rows_captured=self.stats.rows,
             rows_dropped=self.stats.rows_dropped,
-            rows_written=self.store.rows_durable,
-            bytes_written=self.store.bytes_durable,
+            rows_written=self.stats.rows_released if store is None else store.rows_durable,  # discard: done once copied
+            bytes_written=0 if store is None else store.bytes_durable,
             rows_unreleased=self.stats.rows - self.stats.rows_released,
-            rows_unwritten=self.store.rows_written - self.store.rows_durable,
+            rows_unwritten=0 if store is None else store.rows_written - store.rows_durable,
             ring_slots=0 if layout is None else layout.num_slots,
             ring_slots_used=0 if layout is None else min(layout.num_slots, max(0, in_flight)),
             requests_finished=self.stats.requests_finished,
@@ -349,14 +453,13 @@ class Consumer:
         if layout is None or not self._producer_pid or pid_alive(self._producer_pid):
             return False
         log.warning("producer process %d of run %s is gone; finishing its requests", self._producer_pid, layout.run_id)
-        self.store.end_run("producer died", {})
-        self._close_ring()
-        self._layout = None
+        self._end_run("producer died", {})
         return True
 
     def _close_ring(self) -> None:
-        self._release_copied(wait=True)
-        self._copying.clear()
+        self._settle(wait=True)
+        self._pending.clear()
+        self._discard = None
         if self._ring is not None:
             self._ring.close()
             self._ring = None

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hscapture.errors import HSCaptureError, ProtocolError
-from hscapture.ring import Ring, RingReader
+from hscapture.ring.base import Ring, RingReader
 
 log = logging.getLogger(__name__)
 

@@ -25,27 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from hscapture.errors import StoreError
-from hscapture.store import INDEX_FILE, META_FILE, STORE_FORMAT, STORE_VERSION, crc32_combine
+from hscapture.store.checksum import crc32_combine
+from hscapture.store.format import INDEX_FILE, ITEM_BYTES, META_FILE, STORE_FORMAT, STORE_VERSION
 
 BLOCK_BYTES = 8 << 20
 MAX_HEADER_BYTES = 100 << 20  # safetensors refuses larger headers too
-ITEM_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
 
 
 @dataclass

@@ -45,9 +45,8 @@ import zmq
 
 from hscapture import protocol
 from hscapture.config import CaptureConfig, dtype_name
-from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError
+from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError, short_repr
 from hscapture.ownership import pid_alive, process_place
-from hscapture.protocol import short_repr
 from hscapture.ring import Ring, create_ring
 from hscapture.transport import ProducerSockets, publish_token, withdraw_token
 

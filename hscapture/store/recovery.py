@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from hscapture.store import _add_runs, _Request, _request_record, shard_name
+from hscapture.store.format import shard_name
+from hscapture.store.records import Request, request_record
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def recover_open_runs(root: Path, records: list[dict[str, Any]]) -> list[dict[st
 
     Args:
         root: the store directory.
-        records: its index lines, as :func:`hscapture.store.read_index` returns them.
+        records: its index lines, as :func:`hscapture.store.format.read_index` returns them.
     """
     # One writer at a time appends to the index, so a session is the stretch of lines from its
     # "run" line to its "run_end"; the same run can have several sessions (a consumer re-attached).
@@ -39,22 +40,20 @@ def recover_open_runs(root: Path, records: list[dict[str, Any]]) -> list[dict[st
             opened[record["run_id"]] = position
         elif record["type"] == "run_end":
             opened.pop(record["run_id"], None)
-    found: dict[tuple[str, str], _Request] = {}
+    found: dict[tuple[str, str], Request] = {}
     for run_id, start in opened.items():
         session = records[start + 1 :]
         recorded = {r["id"] for r in session if r["type"] == "request"}
         for shard in (r for r in session if r["type"] == "shard"):
             _collect(root, shard["id"], run_id, recorded, found)
-    lines = [_request_record(request_id, request) for (_, request_id), request in found.items()]
+    lines = [request_record(request_id, request) for (_, request_id), request in found.items()]
     lines += [{"type": "run_end", "run_id": run, "reason": "consumer died", "counters": {}} for run in opened]
     if found:
         log.warning("recovered %d requests of %d run(s) left open by a dead consumer", len(found), len(opened))
     return lines
 
 
-def _collect(
-    root: Path, shard_id: int, run_id: str, recorded: set[str], found: dict[tuple[str, str], _Request]
-) -> None:
+def _collect(root: Path, shard_id: int, run_id: str, recorded: set[str], found: dict[tuple[str, str], Request]) -> None:
     """Add the rows of one shard to every request of ``run_id`` that has no index line."""
     path = root / shard_name(shard_id)
     try:
@@ -71,10 +70,8 @@ def _collect(
     for local, request_id in enumerate(request_ids):
         if request_id in recorded:
             continue
-        request = found.setdefault((run_id, request_id), _Request(run_id, end_reason=REASON))
+        request = found.setdefault((run_id, request_id), Request(run_id, end_reason=REASON))
         rows = np.flatnonzero(owners == local)
         for block in np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1):
             if block.size:
-                request.spans.append([shard_id, int(block[0]), int(block.size)])
-                request.rows += int(block.size)
-                _add_runs(request.runs, positions[block])
+                request.add(shard_id, int(block[0]), positions[block])

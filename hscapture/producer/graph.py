@@ -30,7 +30,7 @@ from hscapture.producer import Producer
 
 log = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "ring_write.cu"
+KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "ring_write.cu"
 MAX_KERNEL_TENSORS = 8
 
 

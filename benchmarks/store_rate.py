@@ -1,0 +1,279 @@
+"""The store against the disk: rows through the real path versus a raw write of the same bytes.
+
+``python benchmarks/run.py store`` (any host; ``--device cuda`` drains a CUDA ring). Per repeat, in
+rotating order, in one directory (``--work-dir``, default $TMPDIR):
+
+* ``store``: a block-policy producer captures ``--gib`` of bf16 rows (Llama-8B-like: 4 tensors x
+  hidden 4096, one request per ``--slot-mib`` slot) into its ring; a real ``hscapture consume``
+  process copies them out and writes the store (shards written, fsync'd, renamed, indexed). Timed
+  from the first ``capture_step`` until the index's ``run_end`` line.
+* ``raw``: one file of the store's shard bytes written sequentially (64 MiB ``os.write`` calls)
+  and fsync'd.
+
+Reported: GB/s of shard bytes (1e9 B/s) for both and their ratio (median over repeats), for rows
+stored as captured (bf16) and as fp8 (half the bytes, quantized by the consumer's writer threads).
+The issue's goal is store >= 0.9 of raw for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks import gpu_ring
+from benchmarks.report import Outcome, SuiteSpec
+from hscapture import CaptureConfig, Producer
+from hscapture.config import MiB
+from hscapture.consumer import consume_command
+from hscapture.integrations.hf import describe
+
+GiB = 1 << 30
+#: The goal: the store writes at this fraction of the raw disk rate or better.
+GOAL = 0.9
+LAYERS = (2, 16, 29)  # EAGLE-3's set for a 32-layer model, plus the post-norm last state
+NUM_LAYERS = 32
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu (host ring) or cuda (CUDA ring drained by DMA)")
+    parser.add_argument("--gib", type=float, default=2.0, help="GiB of captured rows per repeat (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of each side (default 3)")
+    parser.add_argument("--hidden", type=int, default=4096, help="hidden size (default 4096)")
+    parser.add_argument("--slot-mib", type=int, default=4, help="ring slot MiB: rows per capture step (default 4)")
+    parser.add_argument("--store-dtypes", default="bf16,fp8", help="comma list of bf16, fp8 (default both)")
+    parser.add_argument(
+        "--consumer-args", default="", help="extra `hscapture consume` flags, e.g. '--writer-threads 4'"
+    )
+    parser.add_argument("--work-dir", type=Path, help="where stores and raw files go (the disk measured)")
+
+
+def measure(
+    device: torch.device,
+    work: Path,
+    gib: float,
+    repeats: int,
+    hidden: int = 4096,
+    slot_mib: int = 4,
+    store_dtype: str | None = None,
+    consumer_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Store rate against a raw sequential write + fsync of the same bytes in ``work``, ``repeats`` each.
+
+    Repeats rotate the order (store first, then raw first) so neither side always meets a warmer disk.
+    """
+    tensors = len(LAYERS) + 1
+    slot = slot_mib * MiB
+    rows = slot // (tensors * hidden * 2)
+    steps = max(1, math.ceil(gib * GiB / (rows * tensors * hidden * 2)))
+    states = [torch.randn(rows, hidden, device=device).to(torch.bfloat16) for _ in range(tensors)]
+    positions, tokens = np.arange(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    store_s: list[float] = []
+    raw_s: list[float] = []
+    shard_bytes = 0
+    for repeat in range(repeats):
+        sides: list[Callable[[], None]] = []
+
+        def store_side(repeat: int = repeat) -> None:
+            nonlocal shard_bytes
+            out = work / f"store-{repeat}"
+            seconds, shard_bytes = _store_run(device, out, hidden, slot, rows, steps, states, positions, tokens,
+                                              store_dtype, consumer_args)  # fmt: skip
+            store_s.append(seconds)
+            shutil.rmtree(out, ignore_errors=True)
+
+        def raw_side(repeat: int = repeat) -> None:
+            raw_s.append(raw_write(work / f"raw-{repeat}.bin", shard_bytes or _expected_bytes(steps, rows, hidden)))
+
+        sides = [store_side, raw_side] if repeat % 2 == 0 else [raw_side, store_side]
+        for side in sides:
+            side()
+    captured = steps * rows * tensors * hidden * 2
+    store_gbps = shard_bytes / statistics.median(store_s) / 1e9
+    raw_gbps = shard_bytes / statistics.median(raw_s) / 1e9
+    return {
+        "stored_as": "fp8" if store_dtype else "bf16",
+        "captured_bytes": captured,
+        "bytes_per_repeat": shard_bytes,
+        "repeats": repeats,
+        "directory": str(work),
+        "filesystem": filesystem_of(work),
+        "rows_in_gbps": round(captured / statistics.median(store_s) / 1e9, 3),
+        "store_gbps": round(store_gbps, 3),
+        "raw_write_gbps": round(raw_gbps, 3),
+        "ratio": round(store_gbps / raw_gbps, 4),
+        "store_seconds": [round(x, 3) for x in store_s],
+        "raw_seconds": [round(x, 3) for x in raw_s],
+        "note": "GB/s = 1e9 bytes/s of shard files; store: first capture_step to the run_end line of its index "
+        "(every shard fsync'd and indexed); raw: 64 MiB os.write calls then fsync, same directory, same bytes",
+    }
+
+
+def _expected_bytes(steps: int, rows: int, hidden: int) -> int:
+    return steps * rows * (len(LAYERS) + 1) * hidden * 2
+
+
+def _store_run(
+    device: torch.device,
+    out: Path,
+    hidden: int,
+    slot: int,
+    rows: int,
+    steps: int,
+    states: list[torch.Tensor],
+    positions: np.ndarray,
+    tokens: np.ndarray,
+    store_dtype: str | None,
+    consumer_args: tuple[str, ...],
+) -> tuple[float, int]:
+    """One capture into a fresh store; (seconds from the first step to the index's run_end, shard bytes)."""
+    config = CaptureConfig(
+        layers=LAYERS, hidden_size=hidden, num_layers=NUM_LAYERS, device=device.type, slot_bytes=slot,
+        ring_bytes=32 * slot, max_step_rows=rows, policy="block", endpoint=gpu_ring.endpoint(out.name),
+        block_timeout_s=600.0,
+    )  # fmt: skip
+    options = ["--exit-on-eos", "--quiet", "--watch-pid", str(os.getpid()), *consumer_args]
+    options += ["--store-dtype", store_dtype] if store_dtype else []
+    consumer = subprocess.Popen(consume_command(config.endpoint, out, *options), env=gpu_ring.child_env())
+    producer = Producer(config, tensor_descriptions=describe(LAYERS, True, NUM_LAYERS), meta={"engine": "store-rate"})
+    try:
+        gpu_ring.attach(producer, consumer, timeout_s=180.0)
+        started = time.perf_counter()
+        for step in range(steps):
+            producer.capture_step(states, [f"rate-{step}"], [rows], positions, tokens)
+            producer.finish_request(f"rate-{step}", "finished", num_tokens=rows)
+        producer.close(timeout_s=600.0)
+        wait_run_end(out / "index.jsonl", consumer)
+        seconds = time.perf_counter() - started
+    finally:
+        producer.close(timeout_s=10.0)
+        gpu_ring.finish_consumer(consumer, timeout_s=120.0)
+    return seconds, sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
+
+
+def wait_run_end(index: Path, consumer: subprocess.Popen[Any], timeout_s: float = 600.0) -> None:
+    """Poll the store's index until the consumer appends the run's ``run_end`` line."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if index.exists() and b'"type":"run_end"' in index.read_bytes()[-65536:]:
+            return
+        if consumer.poll() is not None and not index.exists():
+            raise RuntimeError(f"consumer exited with {consumer.returncode} and wrote no index at {index}")
+        time.sleep(0.002)
+    raise RuntimeError(f"{index}: no run_end line within {timeout_s:.0f} s")
+
+
+def raw_write(path: Path, nbytes: int, block: int = 64 * MiB) -> float:
+    """Seconds to write ``nbytes`` of random bytes sequentially to ``path`` and fsync it."""
+    data = memoryview(np.random.default_rng(1).integers(0, 256, min(block, nbytes), dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        started = time.perf_counter()
+        written = 0
+        while written < nbytes:
+            written += os.write(fd, data[: min(len(data), nbytes - written)])
+        os.fsync(fd)
+        return time.perf_counter() - started
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def filesystem_of(path: Path) -> dict[str, Any]:
+    """The mount holding ``path`` (from /proc/mounts, where there is one) and its free space."""
+    target = str(path.resolve())
+    best = ("?", "?", "")
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            source, mount, fstype = line.split()[:3]
+            if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best[2]):
+                best = (source, fstype, mount)
+    except OSError:
+        pass
+    return {"device": best[0], "type": best[1], "mount": best[2], "free_gib": round(shutil.disk_usage(path).free / GiB)}
+
+
+def goals(results: dict[str, Any]) -> dict[str, Any]:
+    return {
+        f"store_vs_raw_disk_{name}": {
+            "target": f">= {GOAL}",
+            "value": data.get("ratio"),
+            "met": data.get("ratio", 0) >= GOAL,
+        }
+        for name, data in results.items()
+        if isinstance(data, dict) and "ratio" in data
+    }
+
+
+def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outcome:
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.init()
+        name = torch.cuda.get_device_name(device)
+        tag = re.sub(r"[^a-z0-9]", "", name.split()[-1].lower()) or "gpu"
+    else:
+        torch.set_num_threads(1)  # the producer here only copies; leave the cores to the consumer
+        name, tag = f"CPU ({os.cpu_count()} cores)", "cpu"
+    dtypes = [d.strip() for d in args.store_dtypes.split(",") if d.strip()]
+    if not set(dtypes) <= {"bf16", "fp8"}:
+        raise ValueError(f"--store-dtypes: {args.store_dtypes!r}; use bf16, fp8 or both")
+    settings = {key: getattr(args, key) for key in ("device", "gib", "repeats", "hidden", "slot_mib", "consumer_args")}
+    outcome = Outcome(name=f"store-{tag}", device={"kind": device.type, "name": name}, settings=settings, results={})
+    work = Path(tempfile.mkdtemp(prefix="hscapture-store-rate-", dir=args.work_dir))
+    try:
+        for stored in dtypes:
+            print(f"[store suite] {stored} ...", flush=True)
+            outcome.results[stored] = measure(
+                device, work, args.gib, args.repeats, args.hidden, args.slot_mib,
+                "fp8" if stored == "fp8" else None, tuple(args.consumer_args.split()),
+            )  # fmt: skip
+            outcome.goals = goals(outcome.results)
+            checkpoint(outcome)
+    finally:
+        gpu_ring.stop_children()
+        gpu_ring.remove_endpoints()
+        shutil.rmtree(work, ignore_errors=True)
+    return outcome
+
+
+def table(record: dict[str, Any]) -> str:
+    lines = [
+        "| stored as | rows in, GB/s | store, GB/s on disk | raw write + fsync, GB/s | store / raw | goal |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, data in record["results"].items():
+        goal = record["goals"].get(f"store_vs_raw_disk_{name}", {})
+        met = "met" if goal.get("met") else "missed"
+        lines.append(
+            f"| {name} | {data['rows_in_gbps']:.2f} | {data['store_gbps']:.2f} | {data['raw_write_gbps']:.2f} | "
+            f"**{data['ratio']:.3f}** | {goal.get('target', '')} {met} |"
+        )
+    fs = next(iter(record["results"].values()), {}).get("filesystem", {})
+    settings = record["settings"]
+    lines.append(
+        f"\n{settings['gib']} GiB of bf16 rows per repeat (4 tensors x hidden {settings['hidden']}), median of "
+        f"{settings['repeats']} repeats in rotating order, {fs.get('type', '?')} on {fs.get('device', '?')}."
+    )
+    return "\n".join(lines)
+
+
+SUITE = SuiteSpec(
+    name="store",
+    description="the store's write rate (producer -> ring -> consumer -> shards) against a raw write of the same bytes",
+    add_arguments=add_arguments,
+    run=run,
+    table=table,
+    tok_per_s=lambda record: {},
+)

@@ -1,0 +1,39 @@
+"""The ring of preallocated slots the producer writes into and the consumer copies out of.
+
+Two backends behind one interface per side (:mod:`hscapture.ring.base`), so the producer and
+the consumer never ask which one they hold: host shared memory (:mod:`hscapture.ring.host`)
+for CPU engines, and one ``cudaMalloc`` exported over CUDA IPC (:mod:`hscapture.ring.cuda`)
+for GPU engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hscapture.errors import ProtocolError
+from hscapture.ring.base import Ring, RingReader
+from hscapture.ring.cuda import CudaRing, CudaRingReader
+from hscapture.ring.host import SHM_DIR, HostRing, HostRingReader
+
+__all__ = ["SHM_DIR", "HostRing", "HostRingReader", "Ring", "RingReader", "create_ring", "open_ring"]
+
+
+def create_ring(device: torch.device, num_slots: int, slot_bytes: int, name: str) -> Ring:
+    """The ring for an engine on ``device``: host shared memory for CPU, CUDA IPC memory for GPU."""
+    if device.type == "cpu":
+        return HostRing(num_slots, slot_bytes, name)
+    if device.type == "cuda":
+        return CudaRing(num_slots, slot_bytes, device)
+    raise ValueError(f"device: {device} has no ring backend; use 'cpu' or 'cuda[:N]'")
+
+
+def open_ring(description: dict[str, Any]) -> RingReader:
+    """Open the ring ``description`` (what :meth:`Ring.describe` gave) says."""
+    backend = description.get("backend")
+    if backend == "host":
+        return HostRingReader(description)
+    if backend == "cuda":
+        return CudaRingReader(description)
+    raise ProtocolError(f"Layout.ring.backend: {backend!r} is not supported by this consumer")

@@ -1,0 +1,152 @@
+"""Request completeness: which shard rows and positions a request holds, and its index line.
+
+Per request the writer keeps the ``[shard, first row, rows]`` spans of its rows and the runs of
+positions they cover; when the request ends, :func:`request_record` turns them into the index
+line that says whether it is complete, and if not, why (missing positions, drops, duplicates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How a request ended, as its engine said.
+
+    ``reason`` is ``finished``, ``aborted``, ``retracted`` (or another engine word);
+    ``num_tokens`` the rows it should have (0: unknown); ``dropped_rows`` how many of them were
+    dropped before reaching the store; ``loss_mask`` the half-open position ranges trained on.
+    """
+
+    reason: str = "finished"
+    num_tokens: int = 0
+    dropped_rows: int = 0
+    loss_mask: Sequence[Sequence[int]] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Request:
+    run_id: str
+    spans: list[list[int]] = field(default_factory=list)  # [shard_id, first row, rows]
+    rows: int = 0
+    runs: list[list[int]] = field(default_factory=list)  # position runs [start, end)
+    finished: Finish | None = None
+    end_reason: str = ""
+
+    def add(self, shard_id: int, row: int, positions: np.ndarray) -> None:
+        """``len(positions)`` rows of this request at shard ``shard_id`` rows ``row...``, in arrival order."""
+        count, spans = len(positions), self.spans
+        if spans and spans[-1][0] == shard_id and spans[-1][1] + spans[-1][2] == row:
+            spans[-1][2] += count
+        else:
+            spans.append([shard_id, row, count])
+        self.rows += count
+        add_runs(self.runs, positions)
+
+
+def add_runs(runs: list[list[int]], positions: np.ndarray) -> None:
+    """Append ``positions`` to a list of ``[start, end)`` runs, merging consecutive ones."""
+    if positions.size == 1:  # the decode case, without numpy
+        start = int(positions[0])
+        if runs and runs[-1][1] == start:
+            runs[-1][1] = start + 1
+        else:
+            runs.append([start, start + 1])
+        return
+    if positions.size == 0:
+        return
+    cuts = np.flatnonzero(np.diff(positions) != 1) + 1
+    for piece in np.split(positions, cuts):
+        start, end = int(piece[0]), int(piece[-1]) + 1
+        if runs and runs[-1][1] == start:
+            runs[-1][1] = end
+        else:
+            runs.append([start, end])
+
+
+def request_record(request_id: str, request: Request) -> dict[str, Any]:
+    """The index line of a request: where its rows are and whether it is complete, and why not."""
+    finished = request.finished
+    expected = finished.num_tokens if finished is not None and finished.num_tokens else None
+    spans, runs, rows, surplus = _past_end_trimmed(request, expected)
+    merged = _merge(runs)
+    covered = sum(end - start for start, end in merged)
+    upper = expected if expected is not None else (merged[-1][1] if merged else 0)
+    missing = _complement(merged, upper)
+    problems = []
+    if finished is None:
+        problems.append(request.end_reason or "no finish event")
+    elif finished.reason != "finished":
+        problems.append(finished.reason)
+    dropped = finished.dropped_rows if finished is not None else 0
+    if dropped:
+        problems.append(f"producer dropped {dropped} rows")
+    if missing:
+        problems.append(f"{sum(e - s for s, e in missing)} positions missing")
+    if covered != rows:
+        problems.append(f"{rows - covered} duplicate rows")
+    if expected is not None and merged and merged[-1][1] > expected:
+        problems.append(f"positions beyond num_tokens={expected}")
+    return {
+        "type": "request",
+        "id": request_id,
+        "run_id": request.run_id,
+        "status": "incomplete" if problems else "complete",
+        "reason": "; ".join(problems),
+        "rows": rows,
+        "num_tokens": expected if expected is not None else covered,
+        "dropped_rows": dropped,
+        "missing": missing,
+        "spans": spans,
+        **({"surplus_rows": surplus} if surplus else {}),
+        "loss_mask": [list(r) for r in finished.loss_mask] if finished is not None else [],
+        "meta": finished.meta if finished is not None else {},
+    }
+
+
+def _past_end_trimmed(request: Request, expected: int | None) -> tuple[list[list[int]], list[list[int]], int, int]:
+    """Spans, position runs and rows without trailing rows at positions ``>= num_tokens``.
+
+    An engine that schedules ahead (SGLang's overlap scheduler) runs one more step for a request
+    before it learns that the request finished; that step's row arrives last and lies past the
+    end. Only such a tail is cut (its shard bytes stay, unreferenced); anything else past the end
+    stays and makes the request incomplete.
+    """
+    spans, runs, rows = request.spans, request.runs, request.rows
+    if expected is None or not runs or runs[-1][1] <= expected or not spans:
+        return spans, runs, rows, 0
+    start, end = runs[-1]
+    surplus = end - max(start, expected)
+    if spans[-1][2] < surplus:
+        return spans, runs, rows, 0
+    runs = [*runs[:-1], [start, expected]] if start < expected else runs[:-1]
+    last = spans[-1]
+    spans = [*spans[:-1], [last[0], last[1], last[2] - surplus]] if last[2] > surplus else spans[:-1]
+    return spans, runs, rows - surplus, surplus
+
+
+def _merge(runs: list[list[int]]) -> list[list[int]]:
+    merged: list[list[int]] = []
+    for start, end in sorted(runs):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _complement(merged: list[list[int]], upper: int) -> list[list[int]]:
+    gaps, cursor = [], 0
+    for start, end in merged:
+        if start > cursor:
+            gaps.append([cursor, min(start, upper)])
+        cursor = max(cursor, end)
+    if cursor < upper:
+        gaps.append([cursor, upper])
+    return [g for g in gaps if g[1] > g[0]]

@@ -1,0 +1,540 @@
+"""Writing a store: rows in, shards and index lines out (see FORMAT.md).
+
+The writer speaks rows. Its caller (the consumer) begins a run with the rows' geometry, then
+for each batch of rows: :meth:`StoreWriter.reserve` hands out destination views in shard
+buffers, the caller copies the rows' bytes into them (asynchronously if it likes), and
+:meth:`StoreWriter.commit` says they landed and whose they are (request, position, token).
+:meth:`StoreWriter.finish_request` closes a request. A shard whose rows are all reserved and
+committed goes to a writer thread (written straight from its buffer, fsync'd, renamed); only
+then is it listed in the index, and a request's line follows once every shard holding its rows
+is listed. So a crash at any moment leaves an index that lists only complete shards and requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from hscapture.config import DTYPES, default_writer_threads, store_dtype_name
+from hscapture.errors import StoreError
+from hscapture.fp8 import FP8_NAME
+from hscapture.store.files import lock_store, write_atomic
+from hscapture.store.format import (
+    INDEX_FILE,
+    META_FILE,
+    STORE_FORMAT,
+    STORE_VERSION,
+    check_store_dtype,
+    read_index,
+    read_meta,
+    shard_name,
+)
+from hscapture.store.index import KEPT, IndexLog
+from hscapture.store.records import Finish, Request, request_record
+from hscapture.store.recovery import recover_open_runs
+from hscapture.store.shards import ShardBuffer, ShardSpec, new_buffer, write_shard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowGeometry:
+    """What one stored row is: a ``[hidden_size]`` vector of ``dtype`` for each named tensor."""
+
+    tensor_names: tuple[str, ...]
+    #: One sentence per tensor saying exactly what was captured (kept in ``meta.json``).
+    tensor_descriptions: tuple[str, ...]
+    #: The captured dtype's name (``bfloat16``, ``float16``, ``float32``).
+    dtype: str
+    hidden_size: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not a storable dtype ({sorted(DTYPES)})")
+        if not self.tensor_names or len(self.tensor_names) != len(self.tensor_descriptions):
+            raise ValueError(f"tensor_names: {list(self.tensor_names)} do not match their descriptions")
+        if self.hidden_size <= 0:
+            raise ValueError(f"hidden_size: {self.hidden_size} must be > 0")
+
+    @property
+    def plane_row_bytes(self) -> int:
+        """Bytes of one row of one tensor."""
+        return self.hidden_size * DTYPES[self.dtype].itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of all tensors."""
+        return len(self.tensor_names) * self.plane_row_bytes
+
+    def spec(self) -> dict[str, Any]:
+        """The ``meta.json`` fields every run of a store must agree on."""
+        tensors = [{"name": n, "description": d} for n, d in zip(self.tensor_names, self.tensor_descriptions)]
+        return {"dtype": self.dtype, "hidden_size": self.hidden_size, "tensors": tensors}
+
+
+@dataclass
+class _Shard:
+    shard_id: int
+    run_id: str
+    buffer: ShardBuffer
+    #: Rows handed out by reserve, and rows committed; written once sealed and all committed.
+    reserved: int = 0
+    committed: int = 0
+    sealed: bool = False
+    request_lookup: dict[str, int] = field(default_factory=dict)
+    opened: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Rows:
+    """Reserved rows in one shard: copy each tensor's bytes into ``planes[t]``, then commit."""
+
+    #: One ``[rows, hidden * itemsize]`` uint8 view per tensor, in geometry order.
+    planes: list[np.ndarray]
+    rows: int
+    _shard: _Shard
+    _start: int
+
+
+@dataclass
+class Reservation:
+    """Rows handed out by :meth:`StoreWriter.reserve`, in order: one piece per shard they fall in."""
+
+    pieces: list[Rows]
+    rows: int
+
+
+@dataclass
+class _Run:
+    run_id: str
+    geometry: RowGeometry
+    rows_per_shard: int
+    fp8: bool
+
+
+class StoreWriter:
+    """Writes rows into shards and the index. One thread calls it (the consumer loop).
+
+    Args:
+        root: the store directory (created; an existing store is appended to).
+        shard_bytes: target bytes of one shard (of rows as captured; fp8 files are about half).
+        writer_threads: threads writing shards in parallel (None: :func:`~hscapture.config.default_writer_threads`).
+        shard_buffers: shard buffers, each ``shard_bytes`` of host memory (None: writer threads + 2:
+            one filling, one waiting for its last copies, the rest being written).
+        flush_s: a shard open longer than this is written even if not full, so streaming
+            capture of a quiet server still reaches disk.
+        lock_timeout_s: how long to wait for another writer of the same store to finish.
+        store_dtype: ``fp8`` (or ``float8_e4m3fn``) quantizes rows on the writer threads; None
+            stores them as captured, or as an existing store already does.
+
+    Raises:
+        StoreError: another process keeps writing this store, or it holds another format.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        shard_bytes: int,
+        writer_threads: int | None = None,
+        shard_buffers: int | None = None,
+        flush_s: float = 30.0,
+        lock_timeout_s: float = 30.0,
+        store_dtype: str | None = None,
+    ) -> None:
+        if shard_buffers is not None and shard_buffers < 2:
+            raise ValueError(f"shard_buffers: {shard_buffers}; at least 2 (one filling, one being written)")
+        self.root = Path(root)
+        self.store_dtype = store_dtype_name(store_dtype)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock: IO[str] = lock_store(self.root, lock_timeout_s)
+        try:
+            check_store_dtype(self.root, self.store_dtype)
+            self._meta = self._load_meta()
+            self._open_existing()
+        except BaseException:
+            self._lock.close()
+            raise
+        fp8 = (self._meta or {}).get("store_dtype", self.store_dtype) == FP8_NAME
+        self.writer_threads = writer_threads or default_writer_threads(fp8)
+        self.shard_buffers = shard_buffers or self.writer_threads + 2
+        self.shard_bytes = shard_bytes
+        self.flush_s = flush_s
+        self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
+        self._free: queue.SimpleQueue[ShardBuffer] = queue.SimpleQueue()
+        self._buffers_made = 0
+        self._writing: dict[int, Future[dict[str, Any]]] = {}
+        self._waiting: dict[int, _Shard] = {}  # sealed, some rows not committed yet
+        self._run: _Run | None = None
+        self._shard: _Shard | None = None
+        self._requests: dict[str, Request] = {}
+        self._allocate: Callable[[int], np.ndarray] = _pageable
+        #: Rows committed, and requests whose line is written.
+        self.rows_written = 0
+        self.requests_written = 0
+        #: Rows and bytes of the shards indexed and fsync'd (durable), for live metrics.
+        self.rows_durable = 0
+        self.bytes_durable = 0
+
+    def _open_existing(self) -> None:
+        """After taking the lock: repair the index, close runs a dead writer left open, open the log."""
+        self._repair_index()
+        records = read_index(self.root)
+        self._indexed = {r["id"] for r in records if r["type"] == "shard"}
+        self._next_shard = 1 + max(self._indexed, default=-1)
+        for stale in self.root.glob("*.tmp"):
+            stale.unlink()
+        self._index = IndexLog(self.root / INDEX_FILE)
+        self._index.append(recover_open_runs(self.root, records))
+
+    # ------------------------------------------------------------------ runs
+
+    def begin_run(
+        self,
+        run_id: str,
+        geometry: RowGeometry,
+        meta: dict[str, Any],
+        allocate: Callable[[int], np.ndarray] | None = None,
+    ) -> None:
+        """Start writing rows of a run; the store's tensors must match earlier runs.
+
+        Args:
+            run_id: the run's id, as recorded in the index.
+            geometry: what one row holds.
+            meta: facts about the run (engine, model, capture config) for its ``run`` line.
+            allocate: host memory for shard buffers allocated from now on (e.g. pinned memory a
+                device copies into fastest); by default pageable numpy memory.
+
+        Raises:
+            StoreError: the store holds other tensors.
+        """
+        if self._run is not None:
+            self.end_run("producer restarted", {})
+        spec = geometry.spec()
+        if self._meta is None:
+            stored_as = {"store_dtype": self.store_dtype} if self.store_dtype is not None else {}
+            self._meta = {"format": STORE_FORMAT, "version": STORE_VERSION, **spec, **stored_as}
+            write_atomic(self.root / META_FILE, json.dumps(self._meta, indent=2).encode())
+        else:
+            stored = {k: self._meta.get(k) for k in spec}
+            if stored != spec:
+                raise StoreError(
+                    f"{self.root}: holds {stored}, the producer sends {spec}; write this run to another --out directory"
+                )
+        if allocate is not None:
+            self._allocate = allocate
+        self._run = _Run(
+            run_id=run_id,
+            geometry=geometry,
+            rows_per_shard=max(1, self.shard_bytes // geometry.row_bytes),  # fp8 files hold as many rows
+            fp8=self._meta.get("store_dtype") == FP8_NAME,
+        )
+        self._index.append([{"type": "run", "run_id": run_id, "time": time.time(), "meta": meta}])
+        self._index.flush()  # once per run: the run is on record before its first rows
+        while self._buffers_made < self.shard_buffers:  # allocate (pin) them now, not under the rows
+            self._free.put(self._new_buffer(self._run))
+
+    def end_run(self, reason: str, counters: dict[str, int]) -> None:
+        """Write the open shard, wait for all writes, and close every request of the run.
+
+        Requests that never got a finish are recorded as incomplete with ``reason``.
+
+        Raises:
+            StoreError: rows were reserved and never committed, or a write failed.
+        """
+        run = self._run
+        if run is None:
+            return
+        self._seal_open()
+        if self._waiting:
+            raise StoreError(f"{self.root}: shards {sorted(self._waiting)} have rows reserved but never committed")
+        for future in list(self._writing.values()):
+            future.exception()
+        for request in self._requests.values():
+            if request.finished is None and request.run_id == run.run_id:
+                request.end_reason = f"{reason} before the request finished"
+        self._commit_ready()
+        self._index.append([{"type": "run_end", "run_id": run.run_id, "reason": reason, "counters": counters}])
+        self._run = None
+
+    # ------------------------------------------------------------------ rows
+
+    def reserve(self, rows: int, wait: bool = True) -> Reservation | None:
+        """Room for ``rows`` rows, in the open shard and new ones as needed.
+
+        Args:
+            rows: how many rows.
+            wait: when every shard buffer is busy, wait for a writer thread to free one. With
+                False, return None instead, so the caller can first commit rows it holds (a
+                buffer whose rows are not all committed is never written, so never freed).
+
+        Raises:
+            StoreError: no run began.
+        """
+        run = self._require_run()
+        if rows <= 0:
+            raise ValueError(f"rows: {rows}; reserve at least one")
+        room = 0 if self._shard is None else run.rows_per_shard - self._shard.reserved
+        needed = -(-(rows - room) // run.rows_per_shard) if rows > room else 0
+        if not wait and needed > self._free.qsize() + self.shard_buffers - self._buffers_made:
+            return None
+        pieces: list[Rows] = []
+        left = rows
+        while left:
+            shard = self._open_shard(run)
+            count = min(left, run.rows_per_shard - shard.reserved)
+            at = shard.reserved
+            pieces.append(Rows([p[at : at + count] for p in shard.buffer.planes], count, shard, at))
+            shard.reserved += count
+            left -= count
+            if shard.reserved == run.rows_per_shard:
+                self._seal(shard)
+        return Reservation(pieces, rows)
+
+    def commit(
+        self,
+        reservation: Reservation,
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        positions: np.ndarray,
+        token_ids: np.ndarray,
+    ) -> None:
+        """The reserved rows' bytes have landed; record whose they are.
+
+        Args:
+            reservation: as :meth:`reserve` returned it.
+            request_ids: the requests owning the rows, in row order (a request may recur).
+            request_rows: how many consecutive rows each of them owns.
+            positions: ``[rows]`` int64 position of each row in its request.
+            token_ids: ``[rows]`` int64 token id at that position.
+
+        Raises:
+            ValueError: the counts do not add up to the reservation's rows.
+        """
+        rows = reservation.rows
+        if sum(request_rows) != rows or len(request_ids) != len(request_rows) or len(positions) != rows:
+            raise ValueError(
+                f"commit: {len(request_ids)} requests owning {sum(request_rows)} rows and {len(positions)} positions "
+                f"for {rows} reserved rows"
+            )
+        owner = np.repeat(np.arange(len(request_ids)), request_rows)
+        begin = 0
+        for piece in reservation.pieces:
+            shard, at, count = piece._shard, piece._start, piece.rows
+            buffer = shard.buffer
+            buffer.positions[at : at + count] = positions[begin : begin + count]
+            buffer.token_ids[at : at + count] = token_ids[begin : begin + count]
+            mine = owner[begin : begin + count]
+            local = np.full(len(request_ids), -1, dtype=np.int32)
+            for i in np.unique(mine).tolist():
+                local[i] = shard.request_lookup.setdefault(request_ids[i], len(shard.request_lookup))
+            buffer.request_index[at : at + count] = local[mine]
+            self._track(request_ids, request_rows, positions, shard.shard_id, at, begin, begin + count)
+            shard.committed += count
+            self.rows_written += count
+            if shard.sealed and shard.committed == shard.reserved:
+                self._submit(self._waiting.pop(shard.shard_id))
+            begin += count
+
+    def finish_request(self, request_id: str, finish: Finish) -> None:
+        """Close a request; its index line is written once its shards are durable."""
+        run = self._require_run()
+        request = self._requests.setdefault(request_id, Request(run.run_id))
+        request.finished = finish
+        self._commit_ready()
+
+    def tick(self) -> None:
+        """Housekeeping between batches: index finished writes, seal an open shard older than ``flush_s``."""
+        shard = self._shard
+        if shard is not None and shard.reserved and time.monotonic() - shard.opened > self.flush_s:
+            self._seal_open()
+        self._commit_ready()
+
+    def close(self, reason: str = "consumer stopped") -> None:
+        """End the run (if any), write everything out, release files and threads. Idempotent."""
+        if self._lock.closed:
+            return
+        try:
+            self.end_run(reason, {})
+        finally:
+            self._pool.shutdown(wait=True)
+            try:
+                self._index.close()
+            finally:
+                self._lock.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _require_run(self) -> _Run:
+        if self._run is None:
+            raise StoreError("store: data before any run began (begin_run first)")
+        return self._run
+
+    def _track(
+        self,
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        positions: np.ndarray,
+        shard_id: int,
+        at: int,
+        begin: int,
+        end: int,
+    ) -> None:
+        """Record, per request, which shard rows it owns and which positions they are.
+
+        Plain integer arithmetic per request: a decode step brings one row for each of many
+        requests, and numpy calls per request would cost more than the rows themselves.
+        """
+        run_id = self._require_run().run_id
+        offset = 0
+        for request_id, count in zip(request_ids, request_rows):
+            lo, hi = max(offset, begin), min(offset + count, end)
+            offset += count
+            if hi <= lo:
+                if offset >= end:
+                    break
+                continue
+            request = self._requests.get(request_id)
+            if request is None:
+                request = self._requests[request_id] = Request(run_id)
+            request.add(shard_id, at + lo - begin, positions[lo:hi])
+
+    def _open_shard(self, run: _Run) -> _Shard:
+        if self._shard is None:
+            self._shard = _Shard(self._next_shard, run.run_id, self._take_buffer(run))
+            self._next_shard += 1
+        return self._shard
+
+    def _take_buffer(self, run: _Run) -> ShardBuffer:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        if self._buffers_made < self.shard_buffers or all(f.done() for f in self._writing.values()):
+            # Past the limit only when no write could free one: the rest wait for this reservation's
+            # commits (rows spanning more shards than there are buffers).
+            return self._new_buffer(run)
+        return self._free.get()  # every buffer is being written: the disk sets the pace
+
+    def _new_buffer(self, run: _Run) -> ShardBuffer:
+        self._buffers_made += 1
+        geometry = run.geometry
+        return new_buffer(len(geometry.tensor_names), run.rows_per_shard, geometry.plane_row_bytes, self._allocate)
+
+    def _seal_open(self) -> None:
+        if self._shard is not None:
+            self._seal(self._shard)
+
+    def _seal(self, shard: _Shard) -> None:
+        """No more rows go into ``shard``; write it once all of its rows are committed."""
+        shard.sealed = True
+        if shard is self._shard:
+            self._shard = None
+        if shard.reserved == 0:
+            self._free.put(shard.buffer)
+            self._next_shard -= 1  # it was the newest id
+        elif shard.committed == shard.reserved:
+            self._submit(shard)
+        else:
+            self._waiting[shard.shard_id] = shard
+
+    def _submit(self, shard: _Shard) -> None:
+        run = self._require_run()
+        geometry = run.geometry
+        spec = ShardSpec(
+            shard_id=shard.shard_id,
+            run_id=shard.run_id,
+            rows=shard.committed,
+            names=geometry.tensor_names,
+            dtype=DTYPES[geometry.dtype],
+            hidden_size=geometry.hidden_size,
+            fp8=run.fp8,
+            request_ids=tuple(shard.request_lookup),
+        )
+        self._writing[shard.shard_id] = self._pool.submit(_write_and_free, self.root, spec, shard.buffer, self._free)
+        self._commit_ready()
+
+    def _commit_ready(self) -> None:
+        """List every shard whose write finished, then every request whose shards all are listed."""
+        self._index.check()
+        lines = []
+        failed: tuple[int, BaseException] | None = None
+        for shard_id, future in sorted(self._writing.items()):
+            if not future.done():
+                continue
+            del self._writing[shard_id]
+            error = future.exception()
+            if error is not None:
+                failed = failed or (shard_id, error)
+                continue  # never listed, so neither is any request with rows in it
+            lines.append(future.result())
+            self._indexed.add(shard_id)
+        if lines:  # listed even when another shard's write failed: shards already counted as listed
+            rows, nbytes = sum(line["rows"] for line in lines), sum(line["bytes"] for line in lines)
+            self._index.append(lines, barrier=True, on_durable=lambda: self._durable(rows, nbytes))
+        done = []
+        for request_id, request in list(self._requests.items()):
+            if request.finished is None and not request.end_reason:
+                continue
+            if not all(s[0] in self._indexed for s in request.spans):
+                continue  # a shard still being written (or whose write failed: then never)
+            del self._requests[request_id]
+            done.append(request_record(request_id, request))
+        self._index.append(done)
+        self.requests_written += len(done)
+        if failed is not None:
+            shard_id, error = failed
+            raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {KEPT}") from error
+
+    def _durable(self, rows: int, nbytes: int) -> None:
+        """On the index thread, once shard lines are fsync'd."""
+        self.rows_durable += rows
+        self.bytes_durable += nbytes
+
+    def _load_meta(self) -> dict[str, Any] | None:
+        meta = read_meta(self.root)
+        if meta is not None and (meta.get("format") != STORE_FORMAT or meta.get("version") != STORE_VERSION):
+            raise StoreError(
+                f"{self.root / META_FILE}: format {meta.get('format')!r} v{meta.get('version')}, expected "
+                f"{STORE_FORMAT!r} v{STORE_VERSION}; write to another directory"
+            )
+        return meta
+
+    def _repair_index(self) -> None:
+        """Cut a torn last line (crash mid-append) so new lines start clean."""
+        path = self.root / INDEX_FILE
+        if not path.exists():
+            return
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            log.warning("%s: cutting a torn last line of %d bytes", path, len(data) - keep)
+            with path.open("r+b") as handle:
+                handle.truncate(keep)
+                os.fsync(handle.fileno())
+
+
+def _pageable(nbytes: int) -> np.ndarray:
+    """Host memory, touched now: a fresh page faults on its first write, which must not happen under the rows."""
+    array = np.empty(nbytes, dtype=np.uint8)
+    array.fill(0)
+    return array
+
+
+def _write_and_free(
+    root: Path, spec: ShardSpec, buffer: ShardBuffer, free: queue.SimpleQueue[ShardBuffer]
+) -> dict[str, Any]:
+    """Runs on a writer thread: write the shard, then give its buffer back."""
+    try:
+        return write_shard(root, spec, buffer)
+    finally:
+        free.put(buffer)
