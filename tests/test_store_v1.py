@@ -25,7 +25,7 @@ from hscapture.store.records import Finish
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import RowGeometry, StoreWriter
 from tests.storefeed import write_rows
-from tests.trainer_readers import specforge_item, specforge_list_files
+from tests.trainer_readers import require, specforge_legacy_items
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "store-v1"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
@@ -72,16 +72,18 @@ def test_an_old_store_verifies_and_a_flipped_byte_is_found(old_store: tuple[str,
 
 
 def test_an_old_store_exports_for_specforge(old_store: tuple[str, Path], tmp_path: Path) -> None:
+    """Read back by SpecForge's own ``OfflineEagle3Dataset`` (the fixture has two aux layers: the override)."""
+    require("specforge")
     _, root = old_store
     out = tmp_path / "specforge"
-    summary = export(ExportOptions(root, out, "specforge", progress=False))
+    options = ExportOptions(root, out, "specforge", progress=False, any_aux_count=True, keep_empty_loss_mask=True)
+    summary = export(options)
     store = open_store(root)
     assert summary.written == len(store) == 4
-    files = specforge_list_files(out)
-    assert len(files) == 4
+    items = specforge_legacy_items(out, max_len=4096)
+    assert len(items) == 4
     samples = [store.get(key) for key in store]
-    for path in files:
-        item = specforge_item(path)
+    for _, item in items:
         sample = next(s for s in samples if torch.equal(s["input_ids"], item["input_ids"][0]))
         assert torch.equal(item["hidden_state"][0], torch.cat([sample["layer_2"], sample["layer_4"]], dim=-1))
         assert torch.equal(item["target"][0], sample["last"])

@@ -6,6 +6,6 @@ graph. Rows then flow producer -> ring (:mod:`hscapture.ring`) -> consumer
 (:mod:`hscapture.consumer`) -> store (:mod:`hscapture.store`).
 """
 
-from hscapture.producer.producer import NullProducer, Producer, ProducerCounters
+from hscapture.producer.producer import NullProducer, Producer, ProducerCounters, WrittenStep
 
-__all__ = ["NullProducer", "Producer", "ProducerCounters"]
+__all__ = ["NullProducer", "Producer", "ProducerCounters", "WrittenStep"]

@@ -15,9 +15,18 @@ import torch
 from hscapture.errors import ProtocolError
 from hscapture.ring.base import Ring, RingReader
 from hscapture.ring.cuda import CudaRing, CudaRingReader
-from hscapture.ring.host import SHM_DIR, HostRing, HostRingReader
+from hscapture.ring.host import SHM_DIR, HostRing, HostRingReader, reclaim_host_rings
 
-__all__ = ["SHM_DIR", "HostRing", "HostRingReader", "Ring", "RingReader", "create_ring", "open_ring"]
+__all__ = [
+    "SHM_DIR",
+    "HostRing",
+    "HostRingReader",
+    "Ring",
+    "RingReader",
+    "create_ring",
+    "open_ring",
+    "reclaim_host_rings",
+]
 
 
 def create_ring(device: torch.device, num_slots: int, slot_bytes: int, name: str) -> Ring:
