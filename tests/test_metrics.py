@@ -190,8 +190,9 @@ def test_a_capture_failure_in_the_producer_is_logged_shown_counted_stored_and_en
 
 
 def test_quiet_prints_no_stats_and_a_taken_port_is_a_clear_error(tmp_path: Path, endpoint: str) -> None:
-    quiet = ConsumerProcess(endpoint, tmp_path / "a", "--quiet", "--stats-s", "0.1")
-    time.sleep(3)
+    quiet = ConsumerProcess(endpoint, tmp_path / "a", "--quiet", "--stats-s", "0.1", "--metrics-port", "0")
+    quiet.wait_for_line(r"metrics at http://")  # up (and its signal handlers set) however loaded the host is
+    time.sleep(2)  # 20 stats intervals: a quiet consumer prints none of them
     assert quiet.stop() == 0
     assert not [line for line in quiet.lines if "rows captured" in line], quiet.lines
     with socket.socket() as taken:
