@@ -269,8 +269,8 @@ class ConsumerConfig:
     shard_buffers: int | None = None
     #: A shard open longer than this is written even if not full (quiet servers still persist).
     flush_s: float = 30.0
-    #: A writer thread asks the kernel to start writing a shard to the disk every this many bytes
-    #: (0: nothing before the shard's fsync, and the disk idles while shards are copied).
+    #: Bytes of a shard a writer thread writes before it asks the kernel to start writing them to the
+    #: disk (0: nothing reaches the disk before the shard's fsync, so it idles while shards are copied).
     writeback_bytes: int = 16 * MiB
     #: How often the consumer says hello while waiting, and heartbeats while attached.
     heartbeat_ms: int = 200

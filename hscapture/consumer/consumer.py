@@ -290,7 +290,10 @@ class Consumer:
         self.stats.runs += 1
         self.stats.rows_dropped = self._drops.begin_run()
         self._hello()  # confirms the layout: the producer starts announcing
-        log.info("attached to run %s (%d slots of %d bytes)", layout.run_id, layout.num_slots, layout.slot_bytes)
+        on_gpu = "; fp8 quantized on the GPU" if self._quantizer is not None else ""
+        log.info(
+            "attached to run %s (%d slots of %d bytes%s)", layout.run_id, layout.num_slots, layout.slot_bytes, on_gpu
+        )
 
     def _on_refused(self, message: protocol.Refused) -> None:
         """Another consumer is attached: ask again for longer than the producer takes to count it gone, then stop."""
