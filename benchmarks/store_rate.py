@@ -398,9 +398,8 @@ def table(record: dict[str, Any]) -> str:
     lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name, data in stores.items():
         for phase, raw in zip(data.get("store_phases", []), data.get("raw_phases", [])):
-            cells = [
-                phase.get(k, "") for k in ("first_shard", "steady_gbps", "producer_closed", "last_shard", "run_end")
-            ]
+            keys = ("first_shard", "steady_gbps", "producer_closed", "last_shard", "run_end")
+            cells = ["-" if phase.get(k) is None else phase[k] for k in keys]  # steady: needs two shards
             lines.append(f"| {name} | " + " | ".join(map(str, [*cells, raw["write_s"], raw["fsync_s"]])) + " |")
     cost = record["results"].get("device_fp8")
     if cost:
