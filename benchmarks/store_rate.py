@@ -11,13 +11,20 @@ rotating order, in one directory (``--work-dir``, default $TMPDIR):
   and fsync'd.
 
 Reported: GB/s of shard bytes (1e9 B/s) for both and their ratio (median over repeats), for rows
-stored as captured (bf16) and as fp8 (half the bytes, quantized by the consumer's writer threads).
-The issue's goal is store >= 0.9 of raw for both.
+stored as captured (bf16) and as fp8 (half the bytes: quantized on the GPU before the copy out of
+a CUDA ring, by the consumer's writer threads for a host ring). The issue's goal is store >= 0.9
+of raw for both. Where the time goes, per repeat (``phases``): when the first and the last shard
+line reached the index, when ``Producer.close`` returned (every slot released) and the
+``run_end`` line; the raw write's ``os.write`` and ``fsync`` seconds. So a gap to raw shows as a
+start (first shard late), a steady rate (between the first and the last shard line) or a tail.
+With ``--device cuda`` a ``device_fp8`` section times the consumer's GPU quantization of one slot
+beside a plain device copy and the copies to the host.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -25,6 +32,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +46,7 @@ from benchmarks.report import Outcome, SuiteSpec
 from hscapture import CaptureConfig, Producer
 from hscapture.config import MiB
 from hscapture.consumer import consume_command
+from hscapture.fp8 import FP8, quantize_into
 from hscapture.integrations.hf import describe
 
 GiB = 1 << 30
@@ -82,6 +91,8 @@ def measure(
     positions, tokens = np.arange(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     store_s: list[float] = []
     raw_s: list[float] = []
+    phases: list[dict[str, float]] = []
+    raw_phases: list[dict[str, float]] = []
     shard_bytes = 0
     for repeat in range(repeats):
         sides: list[Callable[[], None]] = []
@@ -89,13 +100,18 @@ def measure(
         def store_side(repeat: int = repeat) -> None:
             nonlocal shard_bytes
             out = work / f"store-{repeat}"
-            seconds, shard_bytes = _store_run(device, out, hidden, slot, rows, steps, states, positions, tokens,
-                                              store_dtype, consumer_args)  # fmt: skip
+            seconds, shard_bytes, timeline = _store_run(device, out, hidden, slot, rows, steps, states, positions,
+                                                        tokens, store_dtype, consumer_args)  # fmt: skip
             store_s.append(seconds)
+            phases.append(timeline)
             shutil.rmtree(out, ignore_errors=True)
 
         def raw_side(repeat: int = repeat) -> None:
-            raw_s.append(raw_write(work / f"raw-{repeat}.bin", shard_bytes or _expected_bytes(steps, rows, hidden)))
+            write_s, fsync_s = raw_write(
+                work / f"raw-{repeat}.bin", shard_bytes or _expected_bytes(steps, rows, hidden)
+            )
+            raw_s.append(write_s + fsync_s)
+            raw_phases.append({"write_s": round(write_s, 3), "fsync_s": round(fsync_s, 3)})
 
         sides = [store_side, raw_side] if repeat % 2 == 0 else [raw_side, store_side]
         for side in sides:
@@ -116,9 +132,20 @@ def measure(
         "ratio": round(store_gbps / raw_gbps, 4),
         "store_seconds": [round(x, 3) for x in store_s],
         "raw_seconds": [round(x, 3) for x in raw_s],
+        "store_phases": phases,
+        "raw_phases": raw_phases,
+        "store_steady_gbps": _median_of(phases, "steady_gbps"),
         "note": "GB/s = 1e9 bytes/s of shard files; store: first capture_step to the run_end line of its index "
-        "(every shard fsync'd and indexed); raw: 64 MiB os.write calls then fsync, same directory, same bytes",
+        "(every shard fsync'd and indexed); raw: 64 MiB os.write calls then fsync, same directory, same bytes. "
+        "store_phases, seconds from the first capture_step: first_shard / last_shard = its line in the index, "
+        "producer_closed = Producer.close returned (every slot released), run_end; steady_gbps = shard bytes "
+        "listed after the first shard line, over the time to the last one",
     }
+
+
+def _median_of(phases: list[dict[str, float]], key: str) -> float | None:
+    values = [p[key] for p in phases if p.get(key) is not None]
+    return round(statistics.median(values), 3) if values else None
 
 
 def _expected_bytes(steps: int, rows: int, hidden: int) -> int:
@@ -137,8 +164,8 @@ def _store_run(
     tokens: np.ndarray,
     store_dtype: str | None,
     consumer_args: tuple[str, ...],
-) -> tuple[float, int]:
-    """One capture into a fresh store; (seconds from the first step to the index's run_end, shard bytes)."""
+) -> tuple[float, int, dict[str, float]]:
+    """One capture into a fresh store; (seconds from the first step to the index's run_end, shard bytes, phases)."""
     config = CaptureConfig(
         layers=LAYERS, hidden_size=hidden, num_layers=NUM_LAYERS, device=device.type, slot_bytes=slot,
         ring_bytes=32 * slot, max_step_rows=rows, policy="block", endpoint=gpu_ring.endpoint(out.name),
@@ -151,16 +178,66 @@ def _store_run(
     try:
         gpu_ring.attach(producer, consumer, timeout_s=180.0)
         started = time.perf_counter()
+        watch = _ShardWatch(out / "index.jsonl", started)
         for step in range(steps):
             producer.capture_step(states, [f"rate-{step}"], [rows], positions, tokens)
             producer.finish_request(f"rate-{step}", "finished", num_tokens=rows)
         producer.close(timeout_s=600.0)
+        closed = time.perf_counter() - started
         wait_run_end(out / "index.jsonl", consumer)
         seconds = time.perf_counter() - started
+        watch.stop()
     finally:
         producer.close(timeout_s=10.0)
         gpu_ring.finish_consumer(consumer, timeout_s=120.0)
-    return seconds, sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
+    return seconds, sum(p.stat().st_size for p in out.glob("shard-*.safetensors")), watch.phases(closed, seconds)
+
+
+class _ShardWatch:
+    """Notes when each shard line reaches the index (polled every 2 ms on a thread of this process)."""
+
+    def __init__(self, index: Path, started: float) -> None:
+        self.index, self.started = index, started
+        self.listed: list[tuple[float, int]] = []  # (seconds since started, shard bytes)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shard-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        seen = 0
+        while not self._stop.is_set():
+            try:
+                with self.index.open("rb") as handle:
+                    handle.seek(seen)
+                    data = handle.read()
+            except FileNotFoundError:
+                data = b""
+            now = time.perf_counter() - self.started
+            complete = data[: data.rfind(b"\n") + 1]
+            for line in complete.splitlines():
+                record = json.loads(line)
+                if record.get("type") == "shard":
+                    self.listed.append((now, record["bytes"]))
+            seen += len(complete)
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def phases(self, closed: float, run_end: float) -> dict[str, Any]:
+        if not self.listed:
+            return {"producer_closed": round(closed, 3), "run_end": round(run_end, 3)}
+        first, last = self.listed[0][0], self.listed[-1][0]
+        between = sum(nbytes for _, nbytes in self.listed[1:])
+        return {
+            "first_shard": round(first, 3),
+            "producer_closed": round(closed, 3),
+            "last_shard": round(last, 3),
+            "run_end": round(run_end, 3),
+            "shards": len(self.listed),
+            "steady_gbps": round(between / (last - first) / 1e9, 3) if last > first else None,
+        }
 
 
 def wait_run_end(index: Path, consumer: subprocess.Popen[Any], timeout_s: float = 600.0) -> None:
@@ -175,8 +252,8 @@ def wait_run_end(index: Path, consumer: subprocess.Popen[Any], timeout_s: float 
     raise RuntimeError(f"{index}: no run_end line within {timeout_s:.0f} s")
 
 
-def raw_write(path: Path, nbytes: int, block: int = 64 * MiB) -> float:
-    """Seconds to write ``nbytes`` of random bytes sequentially to ``path`` and fsync it."""
+def raw_write(path: Path, nbytes: int, block: int = 64 * MiB) -> tuple[float, float]:
+    """Seconds to write ``nbytes`` of random bytes sequentially to ``path``, and then to fsync it."""
     data = memoryview(np.random.default_rng(1).integers(0, 256, min(block, nbytes), dtype=np.uint8).tobytes())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -184,8 +261,9 @@ def raw_write(path: Path, nbytes: int, block: int = 64 * MiB) -> float:
         written = 0
         while written < nbytes:
             written += os.write(fd, data[: min(len(data), nbytes - written)])
+        wrote = time.perf_counter()
         os.fsync(fd)
-        return time.perf_counter() - started
+        return wrote - started, time.perf_counter() - wrote
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
@@ -203,6 +281,52 @@ def filesystem_of(path: Path) -> dict[str, Any]:
     except OSError:
         pass
     return {"device": best[0], "type": best[1], "mount": best[2], "free_gib": round(shutil.disk_usage(path).free / GiB)}
+
+
+def device_fp8_cost(device: torch.device, hidden: int, slot_mib: int, repeats: int = 200) -> dict[str, Any]:
+    """The consumer's GPU quantization of one slot of rows, beside a device copy and the copies to the host.
+
+    Times, with CUDA events on one stream (medians of ``repeats``): :func:`~hscapture.fp8.quantize_into`
+    of a ``[tensors, rows, hidden]`` bf16 slot into codes, scales and counts; a device-to-device copy of
+    the slot; the copy of the slot to pinned host memory, and of its codes and scales.
+    """
+    tensors = len(LAYERS) + 1
+    rows = slot_mib * MiB // (tensors * hidden * 2)
+    slot = torch.randn(tensors, rows, hidden, device=device).to(torch.bfloat16)
+    codes = torch.empty(tensors, rows, hidden, dtype=FP8, device=device)
+    scales = torch.empty(tensors, rows, device=device)
+    counts = torch.empty(tensors, rows, dtype=torch.int32, device=device)
+    copy = torch.empty_like(slot)
+    host_rows = torch.empty(slot.shape, dtype=slot.dtype, pin_memory=True)
+    host_codes = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
+    host_scales = torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
+
+    def timed(work: Callable[[], object]) -> float:
+        for _ in range(5):
+            work()
+        times = []
+        for _ in range(repeats):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            work()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) * 1000)
+        return round(statistics.median(times), 1)
+
+    quantize = timed(lambda: quantize_into(slot, codes, scales, counts))
+    to_host_rows = timed(lambda: host_rows.copy_(slot, non_blocking=True))
+    to_host_fp8 = timed(lambda: (host_codes.copy_(codes, non_blocking=True), host_scales.copy_(scales, True)))
+    return {
+        "slot": f"[{tensors}, {rows}, {hidden}] bf16, {slot.nbytes / MiB:.0f} MiB",
+        "quantize_us": quantize,
+        "device_copy_us": timed(lambda: copy.copy_(slot)),
+        "to_host_rows_us": to_host_rows,
+        "to_host_fp8_us": to_host_fp8,
+        "quantize_gbps_of_rows": round(slot.nbytes / quantize / 1e3, 1),
+        "note": "GPU time per slot (CUDA events, median); the consumer quantizes on its own stream, so the "
+        "engine's stream never waits for it; its copy to the host moves codes + scales instead of the rows",
+    }
 
 
 def goals(results: dict[str, Any]) -> dict[str, Any]:
@@ -233,6 +357,8 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
     outcome = Outcome(name=f"store-{tag}", device={"kind": device.type, "name": name}, settings=settings, results={})
     work = Path(tempfile.mkdtemp(prefix="hscapture-store-rate-", dir=args.work_dir))
     try:
+        if device.type == "cuda" and "fp8" in dtypes:
+            outcome.results["device_fp8"] = device_fp8_cost(device, args.hidden, args.slot_mib)
         for stored in dtypes:
             print(f"[store suite] {stored} ...", flush=True)
             outcome.results[stored] = measure(
@@ -253,19 +379,35 @@ def table(record: dict[str, Any]) -> str:
         "| stored as | rows in, GB/s | store, GB/s on disk | raw write + fsync, GB/s | store / raw | goal |",
         "|---|---:|---:|---:|---:|---|",
     ]
-    for name, data in record["results"].items():
+    stores = {name: data for name, data in record["results"].items() if "ratio" in data}
+    for name, data in stores.items():
         goal = record["goals"].get(f"store_vs_raw_disk_{name}", {})
         met = "met" if goal.get("met") else "missed"
         lines.append(
             f"| {name} | {data['rows_in_gbps']:.2f} | {data['store_gbps']:.2f} | {data['raw_write_gbps']:.2f} | "
             f"**{data['ratio']:.3f}** | {goal.get('target', '')} {met} |"
         )
-    fs = next(iter(record["results"].values()), {}).get("filesystem", {})
+    fs = next(iter(stores.values()), {}).get("filesystem", {})
     settings = record["settings"]
     lines.append(
         f"\n{settings['gib']} GiB of bf16 rows per repeat (4 tensors x hidden {settings['hidden']}), median of "
         f"{settings['repeats']} repeats in rotating order, {fs.get('type', '?')} on {fs.get('device', '?')}."
     )
+    head = ("stored as", "first shard listed, s", "steady, GB/s", "producer closed, s", "last shard listed, s",
+            "run_end, s", "raw write, s", "raw fsync, s")  # fmt: skip
+    lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for name, data in stores.items():
+        for phase, raw in zip(data.get("store_phases", []), data.get("raw_phases", [])):
+            keys = ("first_shard", "steady_gbps", "producer_closed", "last_shard", "run_end")
+            cells = ["-" if phase.get(k) is None else phase[k] for k in keys]  # steady: needs two shards
+            lines.append(f"| {name} | " + " | ".join(map(str, [*cells, raw["write_s"], raw["fsync_s"]])) + " |")
+    cost = record["results"].get("device_fp8")
+    if cost:
+        lines.append(
+            f"\nfp8 on the GPU, per slot {cost['slot']}: quantize {cost['quantize_us']} us "
+            f"({cost['quantize_gbps_of_rows']} GB/s of rows), device copy {cost['device_copy_us']} us; to the host: "
+            f"rows {cost['to_host_rows_us']} us, codes + scales {cost['to_host_fp8_us']} us."
+        )
     return "\n".join(lines)
 
 

@@ -38,12 +38,13 @@ def default_endpoint() -> str:
     return f"ipc:///tmp/hscapture-{os.getuid()}/default"
 
 
-def default_writer_threads(fp8: bool) -> int:
-    """Shard writer threads that keep one disk busy: 2 (one shard in its fsync while the next is
-    checksummed and written); with fp8, which quantizes on them, up to 4 (quantizing a shard takes
-    about twice as long as writing it to a 1.5 GB/s disk), no more than the cores less one.
+def default_writer_threads() -> int:
+    """Shard writer threads that keep one NVMe disk busy: 4, no more than the cores less one, at least 2.
+
+    One thread checksums and copies a shard into the page cache at 1.5-3 GB/s (and quantizes it at
+    ~1 GB/s when fp8 rows come from a host ring), under what one NVMe disk takes.
     """
-    return max(2, min(4, (os.cpu_count() or 2) - 1)) if fp8 else 2
+    return max(2, min(4, (os.cpu_count() or 2) - 1))
 
 
 def store_dtype_name(value: str | None, field_name: str = "store_dtype") -> str | None:
@@ -262,12 +263,15 @@ class ConsumerConfig:
     endpoint: str = field(default_factory=default_endpoint)
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
-    #: Threads writing shards to disk in parallel; by default 2 (fp8: 2-4 by cores).
+    #: Threads writing shards to disk in parallel; by default 4 (2-4 by cores).
     writer_threads: int | None = None
     #: Shard buffers (``shard_bytes`` of host memory each, pinned for a CUDA ring); by default writer threads + 2.
     shard_buffers: int | None = None
     #: A shard open longer than this is written even if not full (quiet servers still persist).
     flush_s: float = 30.0
+    #: Bytes of a shard a writer thread writes before it asks the kernel to start writing them to the
+    #: disk (0: nothing reaches the disk before the shard's fsync, so it idles while shards are copied).
+    writeback_bytes: int = 16 * MiB
     #: How often the consumer says hello while waiting, and heartbeats while attached.
     heartbeat_ms: int = 200
     #: Exit after the producer's end of stream (offline extraction) instead of waiting for the next run.
@@ -288,8 +292,9 @@ class ConsumerConfig:
     #: of the same user sharing it).
     producer_key: Path | None = None
     #: ``fp8`` stores rows as float8_e4m3fn with one float32 scale per row, half the bytes of bf16,
-    #: quantized by the writer threads, not the engine; unset stores them as captured (or as the
-    #: existing store does).
+    #: quantized by this consumer, never the engine (on the GPU before the copy out of a CUDA ring,
+    #: by the writer threads for a host ring); unset stores them as captured (or as the existing
+    #: store does).
     store_dtype: str | None = field(default=None, metadata=flag(choices=sorted(STORE_DTYPES)))
 
     def __post_init__(self) -> None:
@@ -300,8 +305,9 @@ class ConsumerConfig:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"endpoint: {self.endpoint!r} must start with ipc:// or tcp://")
         _check_int("shard_bytes", self.shard_bytes, 1)
+        _check_int("writeback_bytes", self.writeback_bytes, 0)
         if self.writer_threads is None:
-            self.writer_threads = default_writer_threads(self.store_dtype is not None)
+            self.writer_threads = default_writer_threads()
         _check_int("writer_threads", self.writer_threads, 1, 64)
         if self.shard_buffers is not None:
             _check_int("shard_buffers", self.shard_buffers, 2, 256)

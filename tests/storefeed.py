@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hscapture.config import DTYPES
+from hscapture.fp8 import FP8, quantize_into
 from hscapture.store.records import Finish
 from hscapture.store.writer import RowGeometry, StoreWriter
 
@@ -51,16 +52,30 @@ def write_rows(
     request_rows: Sequence[int],
     positions: Sequence[int] | np.ndarray,
     token_ids: Sequence[int] | np.ndarray,
-) -> None:
-    """Reserve ``rows.shape[1]`` rows, copy ``rows`` (``[tensors, n, hidden]``) into them, commit."""
+) -> bool:
+    """Reserve ``rows.shape[1]`` rows, copy ``rows`` (``[tensors, n, hidden]``) into them, commit.
+
+    Into a run whose rows arrive quantized, copy their codes, scales and non-finite counts
+    (from :func:`hscapture.fp8.quantize_into`, as the consumer of a GPU ring makes them).
+    Returns whether they were.
+    """
     count = rows.shape[1]
-    planes = rows.contiguous().view(torch.uint8).numpy()  # [tensors, n, hidden * itemsize]
     reservation = writer.reserve(count)
     assert reservation is not None and reservation.rows == count
+    quantized = bool(reservation.pieces[0].scales)
+    if quantized:
+        codes = torch.empty(rows.shape, dtype=FP8)
+        scales = torch.empty(rows.shape[:2], dtype=torch.float32)
+        nonfinite = torch.empty(rows.shape[:2], dtype=torch.int32)
+        quantize_into(rows, codes, scales, nonfinite)
+        arrays = [codes.view(torch.uint8).numpy(), scales.numpy(), nonfinite.numpy()]
+    else:
+        arrays = [rows.contiguous().view(torch.uint8).numpy()]  # [tensors, n, hidden * itemsize]
     begin = 0
     for piece in reservation.pieces:
-        for t, plane in enumerate(piece.planes):
-            plane[:] = planes[t, begin : begin + piece.rows]
+        for source, destinations in zip(arrays, (piece.planes, piece.scales, piece.nonfinite)):
+            for t, destination in enumerate(destinations):
+                destination[:] = source[t, begin : begin + piece.rows]
         begin += piece.rows
     writer.commit(
         reservation,
@@ -69,6 +84,7 @@ def write_rows(
         np.asarray(positions, dtype=np.int64),
         np.asarray(token_ids, dtype=np.int64),
     )
+    return quantized
 
 
 @dataclass
@@ -95,6 +111,8 @@ class Feed:
     requests: dict[str, Request]
     dtype: str = "float32"
     sent: dict[str, list[int]] = field(default_factory=dict)
+    #: Per chunk written: whether its rows went in quantized.
+    quantized: list[bool] = field(default_factory=list)
 
     def chunk(self, segments: Sequence[tuple[str, Sequence[int]]]) -> None:
         pieces, positions, token_ids = [], [], []
@@ -106,7 +124,9 @@ class Feed:
             token_ids.extend(request.token_ids[list(where)].tolist())
             self.sent.setdefault(request_id, []).extend(where)
         rows = torch.cat(pieces, dim=1)
-        write_rows(self.writer, rows, [s[0] for s in segments], [len(s[1]) for s in segments], positions, token_ids)
+        self.quantized.append(
+            write_rows(self.writer, rows, [s[0] for s in segments], [len(s[1]) for s in segments], positions, token_ids)
+        )
 
     def finish(self, request_id: str, reason: str = "finished", **fields: Any) -> None:
         self.writer.finish_request(request_id, Finish(reason, **fields))
@@ -114,3 +134,24 @@ class Feed:
 
 def shard_files(root: Path) -> list[Path]:
     return sorted(root.glob("shard-*.safetensors"))
+
+
+def spread_rows(rng: np.random.Generator, n: int, hidden: int) -> torch.Tensor:
+    """Rows like hidden states: row norms over 8 orders of magnitude, a few outlier channels, signs mixed."""
+    row_scale = np.exp(rng.normal(0.0, 4.0, size=(n, 1)))
+    values = rng.standard_normal((n, hidden)) * row_scale
+    values[:, rng.choice(hidden, 3, replace=False)] *= 50.0  # "massive activation" channels
+    return torch.from_numpy(values).float()
+
+
+def special_rows(dtype: torch.dtype, tensors: int = 3, n: int = 40, hidden: int = 64) -> torch.Tensor:
+    """``[tensors, n, hidden]`` rows like hidden states, with every special row of the policy among them."""
+    x = spread_rows(np.random.default_rng(5), tensors * n, hidden).reshape(tensors, n, hidden)
+    x[0, 1] = 0.0  # zero row
+    x[0, 2, :3] = -float("inf")
+    x[1, 3, 5] = float("inf")
+    x[1, 4] = float("nan")  # nothing finite
+    x[2, 5, 0] = float("nan")
+    x[2, 6] = 1e-44  # below 448 float32 subnormal steps: stored as zeros
+    x[2, 7] = torch.finfo(dtype).max  # the largest finite value
+    return x.to(dtype)

@@ -21,10 +21,20 @@ import torch
 from hscapture import open_store
 from hscapture.config import ConsumerConfig
 from hscapture.errors import StoreError
-from hscapture.fp8 import E4M3_MAX, dequantize_rows, quantize_rows
+from hscapture.fp8 import E4M3_MAX, dequantize_rows, quantize_into, quantize_rows
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
-from tests.storefeed import HIDDEN, NAMES, Feed, Request, make_layout, shard_bytes, shard_files
+from tests.storefeed import (
+    HIDDEN,
+    NAMES,
+    Feed,
+    Request,
+    make_layout,
+    shard_bytes,
+    shard_files,
+    special_rows,
+    spread_rows,
+)
 from tests.test_verify import flip, header_of
 
 E4M3_REL = 2**-4
@@ -32,14 +42,6 @@ SUBNORMAL_ABS = 2**-10
 BF16_REL = 2**-8
 NAN = float("nan")
 INF = float("inf")
-
-
-def spread_rows(rng: np.random.Generator, n: int, hidden: int) -> torch.Tensor:
-    """Rows like hidden states: row norms over 8 orders of magnitude, a few outlier channels, signs mixed."""
-    row_scale = np.exp(rng.normal(0.0, 4.0, size=(n, 1)))
-    values = rng.standard_normal((n, hidden)) * row_scale
-    values[:, rng.choice(hidden, 3, replace=False)] *= 50.0  # "massive activation" channels
-    return torch.from_numpy(values).float()
 
 
 def element_errors(x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +106,24 @@ def test_codes_written_out_by_hand() -> None:
     assert back[1].tolist() == [0.0, 0.0, 0.0, 0.0]
     assert back[2, 0] == pytest.approx(1.0) and back[2, 2] == pytest.approx(-2.0)
     assert torch.isnan(back[2, [1, 3]]).all() and torch.isnan(back[3]).all(), "non-finite never reads back finite"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_quantize_into_gives_the_quantizers_bits_without_a_host_read(dtype: torch.dtype) -> None:
+    """The branch-free quantizer (the consumer runs it on the GPU) against the writer threads' one,
+    on a strided ``[tensors, rows, hidden]`` view of a larger slot as the ring holds it."""
+    x = special_rows(dtype)
+    slot = torch.zeros(3, 48, 64, dtype=dtype)
+    slot[:, :40] = x
+    codes = torch.empty(3, 40, 64, dtype=torch.float8_e4m3fn)
+    scales, nonfinite = torch.empty(3, 40), torch.empty(3, 40, dtype=torch.int32)
+    quantize_into(slot[:, :40], codes, scales, nonfinite)
+    for t in range(3):
+        want_codes, want_scales, count = quantize_rows(x[t])
+        assert torch.equal(codes[t].view(torch.uint8), want_codes.view(torch.uint8)), t
+        assert torch.equal(scales[t], want_scales), t
+        assert nonfinite[t].tolist() == (~torch.isfinite(x[t])).sum(dim=1).tolist() and int(nonfinite[t].sum()) == count
+    assert [int(nonfinite[t, r]) for t, r in ((0, 2), (1, 3), (1, 4), (2, 5))] == [3, 1, 64, 1]
 
 
 def test_quantize_refuses_what_is_not_rows() -> None:
@@ -180,6 +200,50 @@ def test_fp8_store_files_reader_and_verify(tmp_path: Path) -> None:
         [sys.executable, "-m", "hscapture", "verify", str(tmp_path)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_rows_handed_in_quantized_make_the_same_files(tmp_path: Path) -> None:
+    """A run whose rows arrive quantized (the consumer of a GPU ring) writes the very bytes and index
+    lines of a run the writer threads quantize; a later run of captured rows reshapes the buffers."""
+    rng = np.random.default_rng(11)
+    requests = {"a": bf16_request(rng, 12, special=True), "b": bf16_request(rng, 9), "c": bf16_request(rng, 20)}
+    stores = {"threads": tmp_path / "threads", "handed-in": tmp_path / "handed-in"}
+    for name, root in stores.items():
+        writer = StoreWriter(root, shard_bytes("bfloat16"), store_dtype="fp8")
+        writer.begin_run(*make_layout(dtype="bfloat16"), quantized=name == "handed-in")
+        feed = Feed(writer, requests, "bfloat16")
+        feed.chunk([("a", range(6, 12)), ("b", range(0, 5))])
+        feed.chunk([("a", range(0, 6)), ("c", range(0, 11)), ("b", range(5, 9))])
+        feed.chunk([("c", range(11, 20))])
+        for key, request in requests.items():
+            feed.finish(key, num_tokens=request.rows.shape[1])
+        assert feed.quantized == [name == "handed-in"] * 3
+        writer.begin_run(*make_layout(run_id="run-b", dtype="bfloat16"))  # captured rows, in either store
+        feed = Feed(writer, {"d": bf16_request(np.random.default_rng(12), 10)}, "bfloat16")
+        feed.chunk([("d", range(10))])
+        assert feed.quantized == [False]
+        writer.close()
+    threads, handed_in = (shard_files(root) for root in stores.values())
+    assert len(threads) == 8 and [p.name for p in threads] == [p.name for p in handed_in]
+    for mine, theirs in zip(threads, handed_in):
+        assert mine.read_bytes() == theirs.read_bytes(), mine.name
+    lines = [[json.loads(line) for line in (root / "index.jsonl").read_text().splitlines()] for root in stores.values()]
+    by_id = [
+        {(line["type"], line["id"]): line for line in index if line["type"] in ("shard", "request")} for index in lines
+    ]
+    assert by_id[0] == by_id[1] and len(by_id[1]) == 8 + 4  # the order of shard lines is the threads' race
+    assert {line["id"]: line["nonfinite"] for line in lines[1] if "nonfinite" in line} == {
+        1: {"layer_5": 1},
+        2: {"last": 1},
+    }
+    assert verify_store(stores["handed-in"]).ok
+
+
+def test_quantized_rows_are_refused_by_a_store_of_captured_rows(tmp_path: Path) -> None:
+    writer = StoreWriter(tmp_path, shard_bytes("bfloat16"))
+    with pytest.raises(ValueError, match=r"quantized: .* stores rows as captured, not as fp8; hand in the rows"):
+        writer.begin_run(*make_layout(dtype="bfloat16"), quantized=True)
+    writer.close()
 
 
 def test_a_store_keeps_its_storage_dtype(tmp_path: Path) -> None:

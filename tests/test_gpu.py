@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -9,8 +11,12 @@ import pytest
 import torch
 
 from hscapture import CaptureConfig, HSCaptureError, Producer, open_store
+from hscapture.consumer import consume_command
+from hscapture.fp8 import quantize_into, quantize_rows
 from hscapture.ring.cuda import CudaRingReader
+from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
+from tests.storefeed import special_rows
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 HIDDEN = 256
@@ -121,6 +127,67 @@ def test_graph_replayed_capture_is_bitwise_and_never_announces_padding(
         assert torch.equal(got, references[key]), key
         assert sample["positions"].tolist() == list(range(len(got)))
     assert store.summary()["rows"] == counters.rows_captured, "padding rows were stored"
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fp8_on_the_gpu_gives_the_cpu_quantizers_bits(dtype: torch.dtype) -> None:
+    """What the consumer of a CUDA ring stores equals what the writer threads store from a host ring:
+    zero, NaN, inf and largest-value rows included, on a strided view as the ring holds rows."""
+    rows = special_rows(dtype, tensors=4, n=200, hidden=HIDDEN)
+    slot = torch.zeros(4, 256, HIDDEN, dtype=dtype, device="cuda")
+    slot[:, :200] = rows.cuda()
+    codes = torch.empty(4, 200, HIDDEN, dtype=torch.float8_e4m3fn, device="cuda")
+    scales = torch.empty(4, 200, device="cuda")
+    nonfinite = torch.empty(4, 200, dtype=torch.int32, device="cuda")
+    quantize_into(slot[:, :200], codes, scales, nonfinite)
+    for t in range(4):
+        want_codes, want_scales, count = quantize_rows(rows[t])
+        assert torch.equal(codes[t].cpu().view(torch.uint8), want_codes.view(torch.uint8)), t
+        assert torch.equal(scales[t].cpu(), want_scales), t
+        assert int(nonfinite[t].sum()) == count, t
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_fp8_store_from_a_cuda_ring_is_quantized_on_the_gpu(tmp_path: Path, endpoint: str) -> None:
+    """A real consumer of a CUDA ring quantizes on the GPU and stores the CPU quantizer's bits, counts
+    the non-finite values per shard, and the store verifies."""
+    pytest.importorskip("cupy")
+    rows = special_rows(torch.bfloat16, tensors=4, n=60, hidden=HIDDEN)  # special rows in the first request
+    options = ("--exit-on-eos", "--store-dtype", "fp8", "--heartbeat-ms", "50", "--shard-bytes", "64K")
+    consumer = subprocess.Popen(consume_command(endpoint, tmp_path, *options), stderr=subprocess.PIPE, text=True)
+    try:
+        producer = producer_for(gpu_config(endpoint))
+        wait_attached(producer)
+        states = [plane.cuda() for plane in rows]
+        for step, (begin, end) in enumerate([(0, 20), (20, 45), (45, 60)]):
+            request_id = f"r{step}"
+            producer.capture_step([s[begin:end] for s in states], [request_id], [end - begin],
+                                  np.arange(end - begin), np.arange(begin, end))  # fmt: skip
+            producer.finish_request(request_id, num_tokens=end - begin)
+        producer.close()
+        _, stderr = consumer.communicate(timeout=60)
+    finally:
+        consumer.kill()
+    assert consumer.returncode == 0, stderr
+    assert "fp8 quantized on the GPU" in stderr
+    store = open_store(tmp_path)
+    assert store.quantized and sorted(store.keys(complete_only=True)) == ["r0", "r1", "r2"]
+    for step, (begin, end) in enumerate([(0, 20), (20, 45), (45, 60)]):
+        raw = store.get(f"r{step}", dequantize=False)
+        for t, name in enumerate(NAMES):
+            codes, scales, _ = quantize_rows(rows[t, begin:end])
+            assert torch.equal(raw[name].view(torch.uint8), codes.view(torch.uint8)), (step, name)
+            assert torch.equal(raw[f"{name}.scale"], scales), (step, name)
+    lines = [json.loads(line) for line in (tmp_path / "index.jsonl").read_text().splitlines()]
+    counted: dict[str, int] = {}
+    for line in lines:
+        for name, count in line.get("nonfinite", {}).items():
+            counted[name] = counted.get(name, 0) + count
+    assert counted == {"layer_1": 3, "layer_2": 1 + HIDDEN, "layer_3": 1}
+    assert verify_store(tmp_path).ok
 
 
 @pytest.mark.gpu

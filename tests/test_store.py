@@ -68,12 +68,13 @@ def new_writer(root: Path, dtype: str = "float32", **kwargs: object) -> StoreWri
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_rows_reassemble_bitwise_across_shards(tmp_path: Path, dtype: str, seed: int) -> None:
+@pytest.mark.parametrize("writeback_bytes", [0, 1], ids=["fsync-only", "writeback-every-block"])
+def test_rows_reassemble_bitwise_across_shards(tmp_path: Path, dtype: str, seed: int, writeback_bytes: int) -> None:
     """A scheduler-like stream: several requests per chunk, requests spread over many chunks and shards."""
     rng = np.random.default_rng(seed)
     lengths = {"r-short": 1, "r-a": 5, "r-b": 23, "r-c": 40, "r-d": 9, "r-e": 17, "r-f": 31}
     requests = {key: make_request(n, dtype, rng) for key, n in lengths.items()}
-    writer = new_writer(tmp_path, dtype, writer_threads=2)
+    writer = new_writer(tmp_path, dtype, writer_threads=2, writeback_bytes=writeback_bytes)
     writer.begin_run(*make_layout(dtype=dtype))
     feed = Feed(writer, requests, dtype)
     done = dict.fromkeys(lengths, 0)
@@ -155,6 +156,28 @@ def test_spans_point_at_the_shard_rows(tmp_path: Path, rng: np.random.Generator)
     record = open_store(tmp_path).record("x")
     # 7 rows per shard: x0-4 -> shard 0 rows 0-4; x5-9 -> shard 1 rows 3-6, shard 2 row 0.
     assert record["spans"] == [[0, 0, 5], [1, 3, 4], [2, 0, 1]]
+
+
+def test_rows_after_a_finish_hold_back_its_line_until_their_shard_is_listed(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """An engine that schedules ahead may send rows of a request after its finish; its line then waits for
+    their shard too, so no line names a shard before that shard's own line."""
+    requests = {"x": make_request(9, "float32", rng), "y": make_request(7, "float32", rng)}
+    writer = new_writer(tmp_path)
+    writer.begin_run(*make_layout())
+    feed = Feed(writer, requests)
+    feed.chunk([("x", range(0, 6))])
+    feed.finish("x", num_tokens=6)  # shard 0 is still open: x waits for it
+    feed.chunk([("x", range(6, 9)), ("y", range(0, 7))])  # x's rows past its end land in shards 0 and 1
+    feed.finish("y", num_tokens=7)
+    writer.close()
+    lines = [json.loads(line) for line in (tmp_path / "index.jsonl").read_text().splitlines()]
+    where = {(line["type"], line["id"]): n for n, line in enumerate(lines) if line["type"] in ("shard", "request")}
+    record = open_store(tmp_path).record("x")
+    assert [span[0] for span in record["spans"]] == [0, 1]
+    assert where[("request", "x")] > where[("shard", 1)] and where[("request", "y")] > where[("shard", 2)]
+    assert record["status"] == "incomplete" and "positions beyond num_tokens=6" in record["reason"]
 
 
 def test_loss_mask_ranges_are_materialized(tmp_path: Path, rng: np.random.Generator) -> None:

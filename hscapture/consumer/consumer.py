@@ -4,8 +4,9 @@ It knows nothing of models, and it is the one module that joins the wire, the ri
 store. It says hello on the ``release`` socket until a producer answers with a
 :class:`~hscapture.protocol.Layout`, opens the ring that layout describes (once), and then for
 each announced chunk: reserves rows in the store (destination views in its shard buffers),
-copies the slot's planes into them (asynchronously on the CUDA ring), and once the copies have
-landed releases the slot and commits the rows with their requests, positions and tokens.
+copies the slot's planes into them (asynchronously on the CUDA ring, where rows bound for an fp8
+store are quantized on the GPU first: :mod:`hscapture.consumer.device_fp8`), and once the copies
+have landed releases the slot and commits the rows with their requests, positions and tokens.
 Request ends are handed to the store in wire order, after the rows announced before them.
 Writer threads take it from there. It keeps saying hello as a heartbeat, which is how a
 restarted producer (new run id) finds it again. With ``discard`` there is no store: each chunk
@@ -33,10 +34,11 @@ import zmq
 
 from hscapture import protocol
 from hscapture.config import DTYPES, ConsumerConfig
+from hscapture.consumer.device_fp8 import DeviceQuantizer
 from hscapture.consumer.metrics import DropTally, Snapshot
 from hscapture.errors import AccessError, HSCaptureError, ProtocolError, short_repr
 from hscapture.ownership import pid_alive, process_place
-from hscapture.ring import RingReader, open_ring
+from hscapture.ring import CudaRingReader, RingReader, open_ring
 from hscapture.store.records import Finish
 from hscapture.store.writer import Reservation, RowGeometry, StoreWriter
 from hscapture.transport import ConsumerSockets, client_credentials, read_token
@@ -119,6 +121,7 @@ class Consumer:
                 config.shard_buffers,
                 config.flush_s,
                 store_dtype=config.store_dtype,
+                writeback_bytes=config.writeback_bytes,
             )
         self._sockets = ConsumerSockets(config.endpoint, self.consumer_id, curve)
         self._announce, self._release = self._sockets.announce, self._sockets.release
@@ -128,6 +131,8 @@ class Consumer:
         self._plane_row_bytes = 0
         #: With discard: the one buffer every chunk is copied into.
         self._discard: np.ndarray | None = None
+        #: For an fp8 store fed from a CUDA ring: quantizes each chunk on the GPU before the copy out.
+        self._quantizer: DeviceQuantizer | None = None
         self._last_seq = 0
         self._producer_pid = 0
         #: The last announcement taken per slot (seq, hash of its bytes): the very same announcement
@@ -267,7 +272,13 @@ class Consumer:
             geometry = RowGeometry(
                 tuple(layout.tensor_names), tuple(layout.tensor_descriptions), layout.dtype, layout.hidden_size
             )
-            self.store.begin_run(layout.run_id, geometry, layout.meta, allocate=ring.allocate)
+            on_gpu = self.store.fp8 and isinstance(ring, CudaRingReader)
+            self.store.begin_run(layout.run_id, geometry, layout.meta, allocate=ring.allocate, quantized=on_gpu)
+            if on_gpu:
+                assert isinstance(ring, CudaRingReader)
+                tensors, dtype = len(layout.tensor_names), DTYPES[layout.dtype]
+                max_rows = layout.slot_bytes // geometry.row_bytes
+                self._quantizer = DeviceQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows)
         self._layout = layout
         # A producer we cannot see (another pid namespace) is not watched: never end a live run.
         self._producer_pid = layout.pid if 0 < layout.pid < 2**31 and pid_alive(layout.pid) else 0
@@ -279,7 +290,10 @@ class Consumer:
         self.stats.runs += 1
         self.stats.rows_dropped = self._drops.begin_run()
         self._hello()  # confirms the layout: the producer starts announcing
-        log.info("attached to run %s (%d slots of %d bytes)", layout.run_id, layout.num_slots, layout.slot_bytes)
+        on_gpu = "; fp8 quantized on the GPU" if self._quantizer is not None else ""
+        log.info(
+            "attached to run %s (%d slots of %d bytes%s)", layout.run_id, layout.num_slots, layout.slot_bytes, on_gpu
+        )
 
     def _on_refused(self, message: protocol.Refused) -> None:
         """Another consumer is attached: ask again for longer than the producer takes to count it gone, then stop."""
@@ -344,6 +358,9 @@ class Consumer:
 
     def _copy(self, ring: RingReader, chunk: protocol.Chunk, reservation: Reservation) -> None:
         """Issue the copies of a slot's ``[tensors, row_stride or rows, hidden]`` planes into the reserved rows."""
+        if self._quantizer is not None:
+            self._quantizer.copy(chunk.offset, chunk.rows, chunk.row_stride or chunk.rows, reservation)
+            return
         plane_row = self._plane_row_bytes
         plane_bytes = (chunk.row_stride or chunk.rows) * plane_row
         begin = 0
@@ -460,6 +477,7 @@ class Consumer:
         self._settle(wait=True)
         self._pending.clear()
         self._discard = None
+        self._quantizer = None
         if self._ring is not None:
             self._ring.close()
             self._ring = None

@@ -1,9 +1,10 @@
 """The ring of preallocated slots the producer writes into and the consumer copies out of.
 
 Two backends behind one interface per side (:mod:`hscapture.ring.base`), so the producer and
-the consumer never ask which one they hold: host shared memory (:mod:`hscapture.ring.host`)
-for CPU engines, and one ``cudaMalloc`` exported over CUDA IPC (:mod:`hscapture.ring.cuda`)
-for GPU engines.
+the consumer never ask which one they hold to move rows: host shared memory
+(:mod:`hscapture.ring.host`) for CPU engines, and one ``cudaMalloc`` exported over CUDA IPC
+(:mod:`hscapture.ring.cuda`) for GPU engines. Only the consumer of an fp8 store asks, to quantize
+rows on the GPU before they leave it (the CUDA reader lends its memory and stream for that).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from hscapture.ring.host import SHM_DIR, HostRing, HostRingReader, reclaim_host_
 
 __all__ = [
     "SHM_DIR",
+    "CudaRing",
+    "CudaRingReader",
     "HostRing",
     "HostRingReader",
     "Ring",

@@ -164,6 +164,9 @@ class CudaRingReader(RingReader):
                     "container (it needs the same IPC namespace and no --ipc=private), or the producer exited"
                 ) from None
             self._stream = cupy.cuda.Stream(non_blocking=True)
+            memory = cupy.cuda.UnownedMemory(self._ptr, nbytes, None, self.device)  # closed by close()
+            array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+            self._bytes = torch.as_tensor(array, device=torch.device("cuda", self.device))
             self._warm_up()
         self._wait_on_host = os.environ.get("HSCAPTURE_IPC_WAIT", "host") != "stream"
         self._closed = False
@@ -200,11 +203,36 @@ class CudaRingReader(RingReader):
             self._runtime.streamWaitEvent(self._stream.ptr, self._events[slot], 0)
 
     def copy_into(self, offset: int, dst: np.ndarray) -> None:
-        if offset < 0 or offset + dst.nbytes > self.nbytes:
-            raise ProtocolError(f"Chunk: bytes {offset}..{offset + dst.nbytes} fall outside the ring of {self.nbytes}")
-        self._runtime.memcpyAsync(
-            dst.ctypes.data, self._ptr + offset, dst.nbytes, self._runtime.memcpyDeviceToHost, self._stream.ptr
-        )
+        self._check_range(offset, dst.nbytes)
+        self._to_host(self._ptr + offset, dst)
+
+    # The ring's memory on the GPU, for work on rows before they are copied out (fp8 quantization):
+    # torch kernels queued on :meth:`torch_stream` run after :meth:`begin` and before :meth:`mark`.
+
+    def device_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the ring at ``offset`` as a uint8 tensor on its GPU (a view, no copy)."""
+        self._check_range(offset, nbytes)
+        return self._bytes[offset : offset + nbytes]
+
+    def torch_stream(self) -> torch.cuda.ExternalStream:
+        """This reader's copy stream, as torch sees it."""
+        return torch.cuda.ExternalStream(self._stream.ptr, device=torch.device("cuda", self.device))
+
+    def copy_from_device(self, src: torch.Tensor, dst: np.ndarray) -> None:
+        """Copy the contiguous device tensor ``src`` (e.g. rows worked on) into ``dst`` on this reader's stream."""
+        if not src.is_contiguous() or src.nbytes != dst.nbytes or src.device != self._bytes.device:
+            raise ValueError(
+                f"copy_from_device: {src.nbytes} bytes of {src.device} into {dst.nbytes}; want contiguous "
+                f"bytes on {self._bytes.device}, as many as dst holds"
+            )
+        self._to_host(src.data_ptr(), dst)
+
+    def _check_range(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ProtocolError(f"Chunk: bytes {offset}..{offset + nbytes} fall outside the ring of {self.nbytes}")
+
+    def _to_host(self, src: int, dst: np.ndarray) -> None:
+        self._runtime.memcpyAsync(dst.ctypes.data, src, dst.nbytes, self._runtime.memcpyDeviceToHost, self._stream.ptr)
 
     def mark(self) -> Any:
         """An event after the copies issued so far; the slot may be released once it completes."""
@@ -237,6 +265,7 @@ class CudaRingReader(RingReader):
         try:
             with self._device:
                 self._stream.synchronize()
+                del self._bytes
                 for event in self._events:
                     self._runtime.eventDestroy(event)
                 self._runtime.ipcCloseMemHandle(self._ptr)

@@ -38,6 +38,8 @@ class Request:
     runs: list[list[int]] = field(default_factory=list)  # position runs [start, end)
     finished: Finish | None = None
     end_reason: str = ""
+    #: When the writer first saw it: request lines are written in this order.
+    order: int = 0
 
     def add(self, shard_id: int, row: int, positions: np.ndarray) -> None:
         """``len(positions)`` rows of this request at shard ``shard_id`` rows ``row...``, in arrival order."""

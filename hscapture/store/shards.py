@@ -5,8 +5,15 @@ captured tensor (pinned memory when the consumer drains a CUDA ring) and the row
 token ids and request indices. :func:`write_shard` writes the safetensors header, then every
 tensor from the buffer in blocks of :data:`BLOCK_BYTES`, each block checksummed just before it
 is written (so it is read from the cache, not twice from memory). Nothing builds the file in
-memory. In an fp8 store each block is quantized into a scratch first; the scales, known only
-when their tensor is done, are written at their place in the file afterwards (``pwrite``).
+memory. Every :data:`WRITEBACK_BYTES` written, the kernel is asked to start writing them to the
+disk, so the disk works while the rest of the shard is written and the closing fsync waits for
+the tail only (left to itself, the kernel would write nothing until that fsync).
+
+In an fp8 store rows arrive either as captured (each block is quantized into a scratch first;
+the scales, known only when their tensor is done, are written at their place afterwards) or
+already quantized (the consumer of a GPU ring quantizes on the GPU): then a buffer plane holds
+``[capacity, hidden]`` codes, and the buffer each row's scale and count of non-finite values,
+and the shard is written as it stands.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import logging
 import os
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: Bytes checksummed and written per call: large enough for the disk, small enough for the cache.
 BLOCK_BYTES = 2 << 20
+#: Default bytes written between requests to start writeback (0: leave it all to the fsync).
+WRITEBACK_BYTES = 16 << 20
 #: safetensors dtype codes of what shards hold.
 DTYPE_CODES = {
     torch.bfloat16: "BF16",
@@ -46,20 +55,42 @@ ROW_FIELDS = {"positions": "I64", "token_ids": "I64", "request_index": "I32"}
 class ShardBuffer:
     """Host memory for one shard being filled."""
 
-    #: One ``[capacity, hidden * itemsize]`` uint8 array per captured tensor.
+    #: One ``[capacity, hidden * itemsize]`` uint8 array per captured tensor (``[capacity, hidden]``
+    #: fp8 codes when rows arrive quantized).
     planes: list[np.ndarray]
     positions: np.ndarray
     token_ids: np.ndarray
     request_index: np.ndarray
+    #: Rows that arrive quantized only: per tensor, each row's float32 scale and int32 count of
+    #: non-finite values (empty otherwise).
+    scales: list[np.ndarray] = field(default_factory=list)
+    nonfinite: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.scales)
+
+    def arrays(self) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        """What a caller copies rows into: the planes, and for quantized rows the scales and counts."""
+        return self.planes, self.scales, self.nonfinite
 
 
-def new_buffer(tensors: int, capacity: int, plane_row_bytes: int, allocate: Callable[[int], np.ndarray]) -> ShardBuffer:
-    """A shard buffer of ``capacity`` rows; ``allocate(nbytes)`` gives each plane's uint8 memory."""
+def new_buffer(
+    tensors: int, capacity: int, plane_row_bytes: int, allocate: Callable[[int], np.ndarray], quantized: bool = False
+) -> ShardBuffer:
+    """A shard buffer of ``capacity`` rows; ``allocate(nbytes)`` gives the uint8 memory rows are copied into.
+
+    With ``quantized``, ``plane_row_bytes`` is the hidden size (one byte per code) and the buffer
+    also holds each row's scale and non-finite count, per tensor.
+    """
+    side = allocate(2 * tensors * capacity * 4).reshape(2, tensors, capacity * 4) if quantized else None
     return ShardBuffer(
         planes=[allocate(capacity * plane_row_bytes).reshape(capacity, plane_row_bytes) for _ in range(tensors)],
         positions=np.empty(capacity, dtype=np.int64),
         token_ids=np.empty(capacity, dtype=np.int64),
         request_index=np.empty(capacity, dtype=np.int32),
+        scales=[] if side is None else [plane.view(np.float32) for plane in side[0]],
+        nonfinite=[] if side is None else [plane.view(np.int32) for plane in side[1]],
     )
 
 
@@ -77,6 +108,8 @@ class ShardSpec:
     fp8: bool
     #: The ``request_index`` table, in order.
     request_ids: tuple[str, ...]
+    #: Bytes written between requests to start writeback (0: none before the fsync).
+    writeback_bytes: int = WRITEBACK_BYTES
 
 
 def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer) -> dict[str, Any]:
@@ -111,20 +144,22 @@ def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer) -> dict[str, A
     tmp = path.with_name(path.name + ".tmp")
     fd = create_file(tmp)
     try:
-        crcs = {"": _write(fd, 0, memoryview(head))}
+        out = _Output(fd, spec.writeback_bytes)
+        crcs = {"": out.write(0, _bytes(head))}
         planes = dict(zip(spec.names, buffer.planes))
-        nonfinite: dict[str, int] = {}
-        for name, _, _ in layout:  # in file order, but for the fp8 scales: they come with their codes
-            if name in planes:
+        counts: dict[str, int] = {}
+        if buffer.quantized:  # codes, scales and counts as they arrived
+            fields |= {scale_name(name): scales[:n] for name, scales in zip(spec.names, buffer.scales)}
+            counts = {name: int(count[:n].sum()) for name, count in zip(spec.names, buffer.nonfinite)}
+        for name, _, _ in layout:  # in file order, but for the fp8 scales of rows quantized here: with their codes
+            if name in fields:
+                crcs[name] = out.write(offsets[name], _bytes(fields[name]))
+            elif name in planes and (buffer.quantized or not spec.fp8):
+                crcs[name] = out.write(offsets[name], _bytes(planes[name][:n]))
+            elif name in planes:
                 rows = torch.from_numpy(planes[name][:n]).view(spec.dtype)
-                if spec.fp8:
-                    crcs[name], scales, count = _write_fp8(fd, offsets[name], rows)
-                    crcs[scale_name(name)] = _write(fd, offsets[scale_name(name)], memoryview(scales).cast("B"))
-                    nonfinite.update({name: count} if count else {})
-                else:
-                    crcs[name] = _write(fd, offsets[name], memoryview(rows.view(torch.uint8).numpy()).cast("B"))
-            elif name in fields:
-                crcs[name] = _write(fd, offsets[name], memoryview(fields[name]).cast("B"))
+                crcs[name], scales, counts[name] = _write_fp8(out, offsets[name], rows)
+                crcs[scale_name(name)] = out.write(offsets[scale_name(name)], _bytes(scales))
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -142,27 +177,56 @@ def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer) -> dict[str, A
         "crc32": f"{combine([(crcs[''], len(head))] + [(crcs[name], sizes[name]) for name, _, _ in layout]):08x}",
         "tensor_crc32": {name: f"{crcs[name]:08x}" for name, _, _ in layout},
     }
+    nonfinite = {name: counts[name] for name, _, _ in layout if counts.get(name)}
     if nonfinite:
         log.warning("shard %d: non-finite values stored as fp8 NaN: %s", spec.shard_id, nonfinite)
         line["nonfinite"] = nonfinite
     return line
 
 
-def _write(fd: int, offset: int, data: memoryview, crc: int = 0) -> int:
-    """Write ``data`` at ``offset`` in blocks, each checksummed just before it goes; returns the CRC-32.
-
-    The CRC continues from ``crc`` (a tensor written in several calls).
-    """
-    for begin in range(0, len(data), BLOCK_BYTES):
-        block = data[begin : begin + BLOCK_BYTES]
-        crc = zlib.crc32(block, crc)
-        done = 0
-        while done < len(block):
-            done += os.pwrite(fd, block[done:], offset + begin + done)
-    return crc
+def _bytes(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes."""
+    return memoryview(array).cast("B")
 
 
-def _write_fp8(fd: int, offset: int, rows: torch.Tensor) -> tuple[int, np.ndarray, int]:
+class _Output:
+    """A shard file being written at given offsets, its CRCs computed on the way, writeback started as it goes."""
+
+    def __init__(self, fd: int, writeback_bytes: int) -> None:
+        self.fd = fd
+        self.writeback_bytes = writeback_bytes if hasattr(os, "posix_fadvise") else 0
+        #: Bytes written since writeback was last started, and the file range they fall in.
+        self._unflushed = 0
+        self._low, self._high = 0, 0
+
+    def write(self, offset: int, data: memoryview, crc: int = 0) -> int:
+        """Write ``data`` at ``offset`` in blocks, each checksummed just before it goes; returns the CRC-32.
+
+        The CRC continues from ``crc`` (a tensor written in several calls).
+        """
+        for begin in range(0, len(data), BLOCK_BYTES):
+            block = data[begin : begin + BLOCK_BYTES]
+            crc = zlib.crc32(block, crc)
+            at = offset + begin
+            done = 0
+            while done < len(block):
+                done += os.pwrite(self.fd, block[done:], at + done)
+            if self.writeback_bytes:
+                self._written(at, at + len(block))
+        return crc
+
+    def _written(self, begin: int, end: int) -> None:
+        """Once enough is written, have the kernel start writing it to the disk and return (on Linux,
+        ``POSIX_FADV_DONTNEED`` starts writeback of a range's dirty pages; it drops only pages already
+        clean). Durability still comes from the fsync; this keeps the disk busy until then."""
+        self._low, self._high = (begin, end) if not self._unflushed else (min(self._low, begin), max(self._high, end))
+        self._unflushed += end - begin
+        if self._unflushed >= self.writeback_bytes:
+            os.posix_fadvise(self.fd, self._low, self._high - self._low, os.POSIX_FADV_DONTNEED)
+            self._unflushed = 0
+
+
+def _write_fp8(out: _Output, offset: int, rows: torch.Tensor) -> tuple[int, np.ndarray, int]:
     """Quantize ``[n, hidden]`` rows block by block, writing the codes at ``offset``.
 
     Returns the codes' CRC-32, the ``[n]`` float32 scales and the count of non-finite values.
@@ -175,5 +239,5 @@ def _write_fp8(fd: int, offset: int, rows: torch.Tensor) -> tuple[int, np.ndarra
     for begin in range(0, n, step):
         codes, count = quantize(rows[begin : begin + step], torch.from_numpy(scales[begin : begin + step]))
         nonfinite += count
-        crc = _write(fd, offset + begin * hidden, memoryview(codes.view(torch.uint8).numpy()).cast("B"), crc)
+        crc = out.write(offset + begin * hidden, _bytes(codes.view(torch.uint8).numpy()), crc)
     return crc, scales, nonfinite

@@ -42,7 +42,7 @@ from hscapture.store.format import (
 from hscapture.store.index import KEPT, IndexLog
 from hscapture.store.records import Finish, Request, request_record
 from hscapture.store.recovery import recover_open_runs
-from hscapture.store.shards import ShardBuffer, ShardSpec, new_buffer, write_shard
+from hscapture.store.shards import WRITEBACK_BYTES, ShardBuffer, ShardSpec, new_buffer, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +97,20 @@ class _Shard:
 
 @dataclass
 class Rows:
-    """Reserved rows in one shard: copy each tensor's bytes into ``planes[t]``, then commit."""
+    """Reserved rows in one shard: copy each tensor's bytes into ``planes[t]``, then commit.
 
-    #: One ``[rows, hidden * itemsize]`` uint8 view per tensor, in geometry order.
+    In a run whose rows arrive quantized (``begin_run(..., quantized=True)``), copy each tensor's
+    fp8 codes into ``planes[t]``, each row's scale into ``scales[t]`` and its count of non-finite
+    values into ``nonfinite[t]``.
+    """
+
+    #: One ``[rows, hidden * itemsize]`` uint8 view per tensor, in geometry order (``[rows, hidden]``
+    #: codes when quantized).
     planes: list[np.ndarray]
+    #: Quantized rows only: one ``[rows]`` float32 view per tensor for the scales, and one ``[rows]``
+    #: int32 view for the non-finite counts (empty otherwise).
+    scales: list[np.ndarray]
+    nonfinite: list[np.ndarray]
     rows: int
     _shard: _Shard
     _start: int
@@ -120,6 +130,8 @@ class _Run:
     geometry: RowGeometry
     rows_per_shard: int
     fp8: bool
+    #: Rows arrive as fp8 codes, scales and non-finite counts (quantized by the caller).
+    quantized: bool
 
 
 class StoreWriter:
@@ -134,8 +146,11 @@ class StoreWriter:
         flush_s: a shard open longer than this is written even if not full, so streaming
             capture of a quiet server still reaches disk.
         lock_timeout_s: how long to wait for another writer of the same store to finish.
-        store_dtype: ``fp8`` (or ``float8_e4m3fn``) quantizes rows on the writer threads; None
-            stores them as captured, or as an existing store already does.
+        store_dtype: ``fp8`` (or ``float8_e4m3fn``) stores rows as fp8 codes with a scale per row,
+            quantized on the writer threads unless they arrive quantized; None stores them as
+            captured, or as an existing store already does.
+        writeback_bytes: bytes a writer thread writes before asking the kernel to start writing them
+            to the disk (0: nothing reaches the disk before each shard's fsync).
 
     Raises:
         StoreError: another process keeps writing this store, or it holds another format.
@@ -150,6 +165,7 @@ class StoreWriter:
         flush_s: float = 30.0,
         lock_timeout_s: float = 30.0,
         store_dtype: str | None = None,
+        writeback_bytes: int = WRITEBACK_BYTES,
     ) -> None:
         if shard_buffers is not None and shard_buffers < 2:
             raise ValueError(f"shard_buffers: {shard_buffers}; at least 2 (one filling, one being written)")
@@ -164,19 +180,29 @@ class StoreWriter:
         except BaseException:
             self._lock.close()
             raise
-        fp8 = (self._meta or {}).get("store_dtype", self.store_dtype) == FP8_NAME
-        self.writer_threads = writer_threads or default_writer_threads(fp8)
+        #: Rows are stored as fp8 codes with a scale per row (this store's ``store_dtype``).
+        self.fp8 = (self._meta or {}).get("store_dtype", self.store_dtype) == FP8_NAME
+        self.writer_threads = writer_threads or default_writer_threads()
         self.shard_buffers = shard_buffers or self.writer_threads + 2
         self.shard_bytes = shard_bytes
         self.flush_s = flush_s
+        self.writeback_bytes = writeback_bytes
         self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
         self._free: queue.SimpleQueue[ShardBuffer] = queue.SimpleQueue()
         self._buffers_made = 0
+        self._buffers_quantized = False
         self._writing: dict[int, Future[dict[str, Any]]] = {}
         self._waiting: dict[int, _Shard] = {}  # sealed, some rows not committed yet
         self._run: _Run | None = None
         self._shard: _Shard | None = None
         self._requests: dict[str, Request] = {}
+        #: Requests that ended, by the unlisted shards holding their rows, and the other way round:
+        #: a request's line is written when the last of them is listed.
+        self._unlisted: dict[str, set[int]] = {}
+        self._waiting_on: dict[int, set[str]] = {}
+        #: Ended requests whose shards may all be listed now.
+        self._ready: list[str] = []
+        self._arrivals = 0
         self._allocate: Callable[[int], np.ndarray] = _pageable
         #: Rows committed, and requests whose line is written.
         self.rows_written = 0
@@ -204,6 +230,7 @@ class StoreWriter:
         geometry: RowGeometry,
         meta: dict[str, Any],
         allocate: Callable[[int], np.ndarray] | None = None,
+        quantized: bool = False,
     ) -> None:
         """Start writing rows of a run; the store's tensors must match earlier runs.
 
@@ -213,10 +240,16 @@ class StoreWriter:
             meta: facts about the run (engine, model, capture config) for its ``run`` line.
             allocate: host memory for shard buffers allocated from now on (e.g. pinned memory a
                 device copies into fastest); by default pageable numpy memory.
+            quantized: the caller hands in rows already quantized (fp8 codes, scales and non-finite
+                counts, bit for bit what :func:`hscapture.fp8.quantize_rows` gives; see :class:`Rows`),
+                e.g. quantized on the GPU before the copy out. Only in an fp8 store.
 
         Raises:
             StoreError: the store holds other tensors.
+            ValueError: ``quantized`` rows for a store that keeps rows as captured.
         """
+        if quantized and not self.fp8:
+            raise ValueError(f"quantized: {self.root} stores rows as captured, not as fp8; hand in the rows themselves")
         if self._run is not None:
             self.end_run("producer restarted", {})
         spec = geometry.spec()
@@ -232,11 +265,17 @@ class StoreWriter:
                 )
         if allocate is not None:
             self._allocate = allocate
+        if quantized != self._buffers_quantized:  # buffers of the other shape: every one is free between runs
+            while not self._free.empty():
+                self._free.get_nowait()
+                self._buffers_made -= 1
+            self._buffers_quantized = quantized
         self._run = _Run(
             run_id=run_id,
             geometry=geometry,
             rows_per_shard=max(1, self.shard_bytes // geometry.row_bytes),  # fp8 files hold as many rows
-            fp8=self._meta.get("store_dtype") == FP8_NAME,
+            fp8=self.fp8,
+            quantized=quantized,
         )
         self._index.append([{"type": "run", "run_id": run_id, "time": time.time(), "meta": meta}])
         self._index.flush()  # once per run: the run is on record before its first rows
@@ -259,9 +298,10 @@ class StoreWriter:
             raise StoreError(f"{self.root}: shards {sorted(self._waiting)} have rows reserved but never committed")
         for future in list(self._writing.values()):
             future.exception()
-        for request in self._requests.values():
+        for request_id, request in self._requests.items():
             if request.finished is None and request.run_id == run.run_id:
                 request.end_reason = f"{reason} before the request finished"
+                self._ended(request_id, request)
         self._commit_ready()
         self._index.append([{"type": "run_end", "run_id": run.run_id, "reason": reason, "counters": counters}])
         self._run = None
@@ -292,8 +332,9 @@ class StoreWriter:
         while left:
             shard = self._open_shard(run)
             count = min(left, run.rows_per_shard - shard.reserved)
-            at = shard.reserved
-            pieces.append(Rows([p[at : at + count] for p in shard.buffer.planes], count, shard, at))
+            at, buffer = shard.reserved, shard.buffer
+            planes, scales, nonfinite = ([a[at : at + count] for a in arrays] for arrays in buffer.arrays())
+            pieces.append(Rows(planes, scales, nonfinite, count, shard, at))
             shard.reserved += count
             left -= count
             if shard.reserved == run.rows_per_shard:
@@ -326,18 +367,24 @@ class StoreWriter:
                 f"commit: {len(request_ids)} requests owning {sum(request_rows)} rows and {len(positions)} positions "
                 f"for {rows} reserved rows"
             )
-        owner = np.repeat(np.arange(len(request_ids)), request_rows)
+        owner = np.repeat(np.arange(len(request_ids)), request_rows) if len(request_ids) > 1 else None
         begin = 0
         for piece in reservation.pieces:
             shard, at, count = piece._shard, piece._start, piece.rows
             buffer = shard.buffer
             buffer.positions[at : at + count] = positions[begin : begin + count]
             buffer.token_ids[at : at + count] = token_ids[begin : begin + count]
-            mine = owner[begin : begin + count]
-            local = np.full(len(request_ids), -1, dtype=np.int32)
-            for i in np.unique(mine).tolist():
-                local[i] = shard.request_lookup.setdefault(request_ids[i], len(shard.request_lookup))
-            buffer.request_index[at : at + count] = local[mine]
+            lookup = shard.request_lookup
+            if owner is None:  # one request: the usual prefill chunk
+                buffer.request_index[at : at + count] = lookup.setdefault(request_ids[0], len(lookup))
+            else:  # owners run in order: the piece holds requests owner[begin] .. owner[end - 1]
+                mine = owner[begin : begin + count]
+                first, last = int(mine[0]), int(mine[-1])
+                local = np.full(last - first + 1, -1, dtype=np.int32)
+                for i in range(first, last + 1):
+                    if request_rows[i]:
+                        local[i - first] = lookup.setdefault(request_ids[i], len(lookup))
+                buffer.request_index[at : at + count] = local[mine - first]
             self._track(request_ids, request_rows, positions, shard.shard_id, at, begin, begin + count)
             shard.committed += count
             self.rows_written += count
@@ -348,8 +395,9 @@ class StoreWriter:
     def finish_request(self, request_id: str, finish: Finish) -> None:
         """Close a request; its index line is written once its shards are durable."""
         run = self._require_run()
-        request = self._requests.setdefault(request_id, Request(run.run_id))
+        request = self._requests.get(request_id) or self._new_request(request_id, run.run_id)
         request.finished = finish
+        self._ended(request_id, request)
         self._commit_ready()
 
     def tick(self) -> None:
@@ -403,10 +451,26 @@ class StoreWriter:
                 if offset >= end:
                     break
                 continue
-            request = self._requests.get(request_id)
-            if request is None:
-                request = self._requests[request_id] = Request(run_id)
+            request = self._requests.get(request_id) or self._new_request(request_id, run_id)
             request.add(shard_id, at + lo - begin, positions[lo:hi])
+            unlisted = self._unlisted.get(request_id)
+            if unlisted is not None and shard_id not in unlisted:  # rows after its end: its line waits for them too
+                unlisted.add(shard_id)
+                self._waiting_on.setdefault(shard_id, set()).add(request_id)
+
+    def _new_request(self, request_id: str, run_id: str) -> Request:
+        self._arrivals += 1
+        request = self._requests[request_id] = Request(run_id, order=self._arrivals)
+        return request
+
+    def _ended(self, request_id: str, request: Request) -> None:
+        """``request`` finished (or its run ended): its line waits for the shards holding its rows."""
+        unlisted = {span[0] for span in request.spans if span[0] not in self._indexed}
+        self._unlisted[request_id] = unlisted
+        for shard_id in unlisted:
+            self._waiting_on.setdefault(shard_id, set()).add(request_id)
+        if not unlisted:
+            self._ready.append(request_id)
 
     def _open_shard(self, run: _Run) -> _Shard:
         if self._shard is None:
@@ -428,7 +492,10 @@ class StoreWriter:
     def _new_buffer(self, run: _Run) -> ShardBuffer:
         self._buffers_made += 1
         geometry = run.geometry
-        return new_buffer(len(geometry.tensor_names), run.rows_per_shard, geometry.plane_row_bytes, self._allocate)
+        plane_row_bytes = geometry.hidden_size if run.quantized else geometry.plane_row_bytes  # codes: a byte each
+        return new_buffer(
+            len(geometry.tensor_names), run.rows_per_shard, plane_row_bytes, self._allocate, run.quantized
+        )
 
     def _seal_open(self) -> None:
         if self._shard is not None:
@@ -459,6 +526,7 @@ class StoreWriter:
             hidden_size=geometry.hidden_size,
             fp8=run.fp8,
             request_ids=tuple(shard.request_lookup),
+            writeback_bytes=self.writeback_bytes,
         )
         self._writing[shard.shard_id] = self._pool.submit(_write_and_free, self.root, spec, shard.buffer, self._free)
         self._commit_ready()
@@ -478,17 +546,21 @@ class StoreWriter:
                 continue  # never listed, so neither is any request with rows in it
             lines.append(future.result())
             self._indexed.add(shard_id)
+            for request_id in self._waiting_on.pop(shard_id, ()):
+                unlisted = self._unlisted[request_id]
+                unlisted.discard(shard_id)
+                if not unlisted:
+                    self._ready.append(request_id)
         if lines:  # listed even when another shard's write failed: shards already counted as listed
             rows, nbytes = sum(line["rows"] for line in lines), sum(line["bytes"] for line in lines)
             self._index.append(lines, barrier=True, on_durable=lambda: self._durable(rows, nbytes))
-        done = []
-        for request_id, request in list(self._requests.items()):
-            if request.finished is None and not request.end_reason:
-                continue
-            if not all(s[0] in self._indexed for s in request.spans):
-                continue  # a shard still being written (or whose write failed: then never)
-            del self._requests[request_id]
-            done.append(request_record(request_id, request))
+        ready = []
+        for request_id in self._ready:  # a request with rows in a shard whose write failed never gets here
+            if self._unlisted.get(request_id) == set():
+                del self._unlisted[request_id]
+                ready.append((request_id, self._requests.pop(request_id)))
+        self._ready.clear()
+        done = [request_record(request_id, request) for request_id, request in sorted(ready, key=lambda r: r[1].order)]
         self._index.append(done)
         self.requests_written += len(done)
         if failed is not None:
