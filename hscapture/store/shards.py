@@ -4,9 +4,11 @@ A shard buffer holds ``capacity`` rows: one ``[capacity, hidden * itemsize]`` by
 captured tensor (pinned memory when the consumer drains a CUDA ring) and the rows' positions,
 token ids and request indices. :func:`write_shard` writes the safetensors header, then every
 tensor from the buffer in blocks of :data:`BLOCK_BYTES`, each block checksummed just before it
-is written (so it is read from the cache, not twice from memory). Nothing builds the file in
-memory. In an fp8 store each block is quantized into a scratch first; the scales, known only
-when their tensor is done, are written at their place in the file afterwards (``pwrite``).
+is written (so it is read from the cache, not twice from memory): the captured tensors row by row
+(the ``row_crc32`` table a reader checks the rows it serves against; each tensor's CRC follows from
+its rows'), the rest whole. Nothing builds the file in memory. In an fp8 store each block is
+quantized into a scratch first; the scales and the row table, known only when their tensors are
+done, are written at their place in the file afterwards (``pwrite``).
 """
 
 from __future__ import annotations
@@ -24,9 +26,18 @@ import numpy as np
 import torch
 
 from hscapture.fp8 import FP8, Quantizer, scale_name
-from hscapture.store.checksum import combine
-from hscapture.store.files import create_file, fsync_dir
-from hscapture.store.format import ITEM_BYTES, SHARD_FORMAT, STORE_VERSION, shard_header, shard_name
+from hscapture.ownership import create_private, temp_sibling
+from hscapture.store.checksum import combine, combine_rows, row_crcs
+from hscapture.store.files import PRIVATE_FILE_MODE, fsync_dir
+from hscapture.store.format import (
+    ITEM_BYTES,
+    ROW_CRC,
+    ROW_FIELDS,
+    SHARD_FORMAT,
+    STORE_VERSION,
+    shard_header,
+    shard_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +50,6 @@ DTYPE_CODES = {
     torch.float32: "F32",
     FP8: "F8_E4M3",
 }
-ROW_FIELDS = {"positions": "I64", "token_ids": "I64", "request_index": "I32"}
 
 
 @dataclass
@@ -79,8 +89,9 @@ class ShardSpec:
     request_ids: tuple[str, ...]
 
 
-def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer) -> dict[str, Any]:
-    """Write a shard to a temp file, fsync it, rename it, fsync the directory; returns its index line.
+def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer, mode: int = PRIVATE_FILE_MODE) -> dict[str, Any]:
+    """Write a shard to a temp file (created with ``mode``), fsync it, rename it, fsync the directory;
+    returns its index line.
 
     Raises:
         OSError: the write failed (the temp file is removed, nothing is renamed).
@@ -95,6 +106,7 @@ def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer) -> dict[str, A
     tensors = [(name, code, (n,)) for name, code in ROW_FIELDS.items()]
     tensors += [(name, stored, (n, spec.hidden_size)) for name in spec.names]
     tensors += [(scale_name(name), "F32", (n,)) for name in spec.names] if spec.fp8 else []
+    tensors.append((ROW_CRC, "U32", (n, len(spec.names))))
     metadata = {
         "format": SHARD_FORMAT,
         "version": str(STORE_VERSION),
@@ -108,23 +120,27 @@ def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer) -> dict[str, A
     for name, _, _ in layout:
         offsets[name], at = at, at + sizes[name]
     path = root / shard_name(spec.shard_id)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = create_file(tmp)
+    tmp = temp_sibling(path)
+    fd = create_private(tmp, os.O_WRONLY, mode)
     try:
         crcs = {"": _write(fd, 0, memoryview(head))}
         planes = dict(zip(spec.names, buffer.planes))
+        table = np.empty((n, len(spec.names)), dtype=np.uint32)
         nonfinite: dict[str, int] = {}
-        for name, _, _ in layout:  # in file order, but for the fp8 scales: they come with their codes
+        for name, _, _ in layout:  # in file order, but the fp8 scales come with their codes, the row table last
             if name in planes:
-                rows = torch.from_numpy(planes[name][:n]).view(spec.dtype)
+                column = spec.names.index(name)
                 if spec.fp8:
-                    crcs[name], scales, count = _write_fp8(fd, offsets[name], rows)
+                    rows = torch.from_numpy(planes[name][:n]).view(spec.dtype)
+                    table[:, column], scales, count = _write_fp8(fd, offsets[name], rows)
                     crcs[scale_name(name)] = _write(fd, offsets[scale_name(name)], memoryview(scales).cast("B"))
                     nonfinite.update({name: count} if count else {})
                 else:
-                    crcs[name] = _write(fd, offsets[name], memoryview(rows.view(torch.uint8).numpy()).cast("B"))
+                    table[:, column] = _write_rows(fd, offsets[name], planes[name][:n])
+                crcs[name] = combine_rows(table[:, column], sizes[name] // max(n, 1))
             elif name in fields:
                 crcs[name] = _write(fd, offsets[name], memoryview(fields[name]).cast("B"))
+        crcs[ROW_CRC] = _write(fd, offsets[ROW_CRC], memoryview(table.reshape(-1)).cast("B"))
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -148,32 +164,49 @@ def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer) -> dict[str, A
     return line
 
 
-def _write(fd: int, offset: int, data: memoryview, crc: int = 0) -> int:
-    """Write ``data`` at ``offset`` in blocks, each checksummed just before it goes; returns the CRC-32.
-
-    The CRC continues from ``crc`` (a tensor written in several calls).
-    """
+def _write(fd: int, offset: int, data: memoryview) -> int:
+    """Write ``data`` at ``offset`` in blocks, each checksummed just before it goes; returns the CRC-32."""
+    crc = 0
     for begin in range(0, len(data), BLOCK_BYTES):
         block = data[begin : begin + BLOCK_BYTES]
         crc = zlib.crc32(block, crc)
-        done = 0
-        while done < len(block):
-            done += os.pwrite(fd, block[done:], offset + begin + done)
+        _pwrite(fd, offset + begin, block)
     return crc
 
 
-def _write_fp8(fd: int, offset: int, rows: torch.Tensor) -> tuple[int, np.ndarray, int]:
+def _pwrite(fd: int, offset: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _write_rows(fd: int, offset: int, rows: np.ndarray) -> np.ndarray:
+    """Write ``[n, row_bytes]`` uint8 rows at ``offset`` in blocks, each row checksummed just before its
+    block goes; returns the ``[n]`` uint32 CRC-32 of each row."""
+    n, width = rows.shape
+    step = max(1, BLOCK_BYTES // max(width, 1))
+    crcs = np.empty(n, dtype=np.uint32)
+    for begin in range(0, n, step):
+        block = np.ascontiguousarray(rows[begin : begin + step])
+        crcs[begin : begin + len(block)] = row_crcs(block)
+        _pwrite(fd, offset + begin * width, memoryview(block.reshape(-1)))
+    return crcs
+
+
+def _write_fp8(fd: int, offset: int, rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
     """Quantize ``[n, hidden]`` rows block by block, writing the codes at ``offset``.
 
-    Returns the codes' CRC-32, the ``[n]`` float32 scales and the count of non-finite values.
+    Returns the ``[n]`` CRC-32 of each row of codes, the ``[n]`` float32 scales, and the count of
+    non-finite values.
     """
     n, hidden = rows.shape
     step = max(1, BLOCK_BYTES // (hidden * 4))  # rows per block, by the size of the float32 scratch
     quantize = Quantizer(hidden, min(step, max(n, 1)))
     scales = np.empty(n, dtype=np.float32)
-    crc, nonfinite = 0, 0
+    crcs = np.empty(n, dtype=np.uint32)
+    nonfinite = 0
     for begin in range(0, n, step):
         codes, count = quantize(rows[begin : begin + step], torch.from_numpy(scales[begin : begin + step]))
         nonfinite += count
-        crc = _write(fd, offset + begin * hidden, memoryview(codes.view(torch.uint8).numpy()).cast("B"), crc)
-    return crc, scales, nonfinite
+        crcs[begin : begin + len(codes)] = _write_rows(fd, offset + begin * hidden, codes.view(torch.uint8).numpy())
+    return crcs, scales, nonfinite
