@@ -119,6 +119,8 @@ class Consumer:
                 config.shard_buffers,
                 config.flush_s,
                 store_dtype=config.store_dtype,
+                share_group=config.share_group,
+                lock_fd=config.store_lock_fd,
             )
         self._sockets = ConsumerSockets(config.endpoint, self.consumer_id, curve)
         self._announce, self._release = self._sockets.announce, self._sockets.release

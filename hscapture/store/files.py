@@ -48,12 +48,13 @@ def group_id(name: str) -> int:
     return gid
 
 
-def prepare_store_dir(root: Path, share_group: str | None = None) -> int:
+def prepare_store_dir(root: Path, share_group: str | None = None, what: str = "store directory") -> int:
     """Create the store directory (0700), or check an existing one; returns the mode of files to create.
 
     ``root`` may be a link of the user's own to a directory elsewhere; a link another user made is
     refused. With ``share_group`` the directory is given to that group, setgid and 2750, and the
-    store's files already there become 0640 in it.
+    store's files already there become 0640 in it. ``what`` names the directory in messages (an
+    export's output directory follows the same rules).
 
     Raises:
         AccessError: a link or directory of another user, or a directory others may write into.

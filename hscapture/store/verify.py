@@ -7,8 +7,9 @@ of every tensor's data (located by the header's offsets) and of the whole file i
 line carries ``crc32`` (whole file) and ``tensor_crc32`` (per tensor), so a flipped byte is pinned
 to a tensor, or to the header when every tensor still matches. While a shard is open, the rows each
 request's spans name must hold that request (``request_index``), so a damaged span is caught even
-in a version-1 store, whose lines carry no checksum. Shard files on disk that no line lists are
-lost index lines; a request id listed complete twice is a fault too. See FORMAT.md.
+in a version-1 store, whose lines carry no checksum. Shard files on disk that no line lists, and
+requests whose rows a listed shard holds but that no line records, are lost index lines (unless a
+writer is at work on the store); a request id listed complete twice is a fault too. See FORMAT.md.
 
 Integrity is per shard and per tensor within it, not per chunk: the writer packs the rows of many
 chunks and requests into one shard. A request's ``spans`` name the shards holding its rows, which
@@ -112,6 +113,10 @@ class VerifyReport:
     bad_index_lines: list[IndexProblem] = field(default_factory=list)
     misplaced: list[IndexProblem] = field(default_factory=list)
     duplicates: list[IndexProblem] = field(default_factory=list)
+    #: Requests whose rows listed shards hold, recorded by no line (lost lines, or a dead writer's).
+    unrecorded: list[str] = field(default_factory=list)
+    #: How many such requests a live writer has still to record (not a failure).
+    pending: int = 0
 
     @property
     def ok(self) -> bool:
@@ -120,6 +125,7 @@ class VerifyReport:
             or self.corrupted
             or self.missing
             or self.lost
+            or self.unrecorded
             or self.unknown_shards
             or self.bad_index_lines
             or self.misplaced
@@ -164,9 +170,11 @@ def verify_store(
             spans.setdefault(shard_id, []).append((request_id, line, start, count))
         for shard_id in dict.fromkeys(s[0] for s in request_spans):
             touching.setdefault(shard_id, []).append(request_id)
-    _find_unlisted(root, report, set(shards))
+    writing = _writer_alive(root)
+    _find_unlisted(root, report, set(shards), writing)
 
     records = sorted(shards.values(), key=lambda record: record["id"])
+    holds: dict[int, list[str]] = {}  # per shard, the request ids its header names
     buckets = {
         "ok": report.verified,
         "corrupted": report.corrupted,
@@ -175,7 +183,7 @@ def verify_store(
     }
     pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="hscapture-verify")
     try:
-        checks: Iterable[ShardCheck] = pool.map(lambda r: _check_shard(root, r, spans.get(r["id"], [])), records)
+        checks: Iterable[ShardCheck] = pool.map(lambda r: _check_shard(root, r, spans.get(r["id"], []), holds), records)
         if progress is not None:
             checks = progress(checks, len(records))
         for check in checks:
@@ -184,6 +192,11 @@ def verify_store(
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # Ctrl-C: do not go on reading a TB store
 
+    unrecorded = sorted({request_id for ids in holds.values() for request_id in ids} - set(requests))
+    if writing:
+        report.pending = len(unrecorded)
+    else:
+        report.unrecorded = unrecorded
     bad = {check.id for check in report.corrupted + report.missing}
     for check in report.corrupted + report.missing:
         check.requests = touching.get(check.id, [])
@@ -192,7 +205,7 @@ def verify_store(
         request_id
         for request_id, (_, request_spans) in requests.items()
         if request_id in named or any(s[0] in bad for s in request_spans)
-    ]
+    ] + report.unrecorded
     return report
 
 
@@ -250,13 +263,12 @@ def _read_index(
     return shards, requests
 
 
-def _find_unlisted(root: Path, report: VerifyReport, listed: set[int]) -> None:
+def _find_unlisted(root: Path, report: VerifyReport, listed: set[int], writing: bool) -> None:
     """Shard files no line lists: lost index lines, unless a live writer is writing them right now."""
     report.ignored = sorted(
         name for name in os.listdir(root) if name.startswith("shard-") and not SHARD_FILE.fullmatch(name)
     )
     newest = max(listed, default=-1)
-    writing = _writer_alive(root)
     for shard_id, path in sorted(shard_files(root).items()):
         if shard_id in listed:
             continue
@@ -266,8 +278,7 @@ def _find_unlisted(root: Path, report: VerifyReport, listed: set[int]) -> None:
         check = ShardCheck(shard_id, path.name, "lost", problems=[f"on disk but listed by no line of {INDEX_FILE}"])
         try:
             with path.open("rb") as handle:
-                header = _parse_header(handle, _file_size(handle))
-            check.requests = json.loads(header.metadata.get("request_ids", "[]"))
+                check.requests = _request_ids(_parse_header(handle, _file_size(handle)))
         except (OSError, ValueError) as exc:
             check.problems.append(f"header unreadable: {exc}")
         report.lost.append(check)
@@ -291,7 +302,8 @@ def _writer_alive(root: Path) -> bool:
 # ---------------------------------------------------------------------------------------- shards
 
 
-def _check_shard(root: Path, record: dict[str, Any], spans: list[_Span]) -> ShardCheck:
+def _check_shard(root: Path, record: dict[str, Any], spans: list[_Span], holds: dict[int, list[str]]) -> ShardCheck:
+    """The verdict on one listed shard; the request ids its header names go into ``holds``."""
     check = ShardCheck(id=record["id"], file=record["file"], status="ok")
     path = root / record["file"]
     try:
@@ -306,7 +318,7 @@ def _check_shard(root: Path, record: dict[str, Any], spans: list[_Span]) -> Shar
         return check
     with handle:
         try:
-            _check_shard_bytes(handle, record, check, spans)
+            holds[record["id"]] = _check_shard_bytes(handle, record, check, spans)
         except OSError as exc:
             check.problems.append(f"read error: {exc.strerror or exc}")
     if check.problems:
@@ -317,7 +329,8 @@ def _check_shard(root: Path, record: dict[str, Any], spans: list[_Span]) -> Shar
     return check
 
 
-def _check_shard_bytes(handle: Any, record: dict[str, Any], check: ShardCheck, spans: list[_Span]) -> None:
+def _check_shard_bytes(handle: Any, record: dict[str, Any], check: ShardCheck, spans: list[_Span]) -> list[str]:
+    """Check one shard's bytes into ``check``; returns the request ids its header names."""
     size = _file_size(handle)
     if size != record["bytes"]:
         check.problems.append(f"{size} bytes on disk, the index says {record['bytes']}")
@@ -325,11 +338,12 @@ def _check_shard_bytes(handle: Any, record: dict[str, Any], check: ShardCheck, s
         header = _parse_header(handle, size)
     except ValueError as exc:
         check.problems.append(f"header unreadable: {exc}")
-        return
-    _check_spans(handle, header, record["id"], spans, check)
+        return []
+    table = _request_ids(header)
+    _check_spans(handle, header, table, record["id"], spans, check)
     expected: dict[str, str] = record.get("tensor_crc32", {})
     if "crc32" not in record:
-        return  # nothing to compare the bytes with
+        return table  # nothing to compare the bytes with
     tensors = {name: (entry.begin, entry.end) for name, entry in header.tensors.items()}
     if expected and set(expected) != set(tensors):
         check.problems.append(f"header lists tensors {sorted(tensors)}, the index checksums {sorted(expected)}")
@@ -342,19 +356,26 @@ def _check_shard_bytes(handle: Any, record: dict[str, Any], check: ShardCheck, s
     if f"{whole:08x}" != record["crc32"] and not check.tensors:
         where = "every tensor matches: the header differs" if expected else "no per-tensor checksums to narrow it"
         check.problems.append(f"file crc32 {whole:08x}, the index says {record['crc32']} ({where})")
+    return table
 
 
-def _check_spans(handle: Any, header: ShardHeader, shard_id: int, spans: list[_Span], check: ShardCheck) -> None:
+def _request_ids(header: ShardHeader) -> list[str]:
+    try:
+        table = json.loads(header.metadata.get("request_ids", "[]"))
+    except ValueError:
+        return []
+    return [r for r in table if isinstance(r, str)] if isinstance(table, list) else []
+
+
+def _check_spans(
+    handle: Any, header: ShardHeader, table: list[str], shard_id: int, spans: list[_Span], check: ShardCheck
+) -> None:
     """Each span naming rows of this shard must name rows its request owns (``request_index``)."""
     entry = header.tensors.get("request_index")
     if not spans or entry is None or entry.dtype != "I32":
         return
     handle.seek(entry.begin)
     owners = np.frombuffer(handle.read(entry.end - entry.begin), dtype="<i4")
-    try:
-        table = json.loads(header.metadata.get("request_ids", "[]"))
-    except ValueError:
-        table = []
     for request_id, line, start, count in spans:
         local = table.index(request_id) if request_id in table else -1
         rows = owners[start : start + count]
@@ -453,6 +474,12 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
             f"{_listing(check.requests, show)}): its line was lost, or a writer died before listing it; "
             f"hscapture verify --repair {report.root} lists it"
         )
+    if report.unrecorded:
+        lines.append(
+            f"lost index lines: {_listing(report.unrecorded, show)} hold rows in listed shards but no line records "
+            f"them: their lines were lost, or a writer died before writing them; hscapture verify --repair "
+            f"{report.root} records them incomplete (so does the next writer, for a dead writer's run)"
+        )
     for problem in report.unknown_shards:
         lines.append(
             f"unknown shard: {INDEX_FILE} line {problem.line}: request {problem.request} names shards "
@@ -466,6 +493,10 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
     notes = [f"unverifiable: {c.file} (shard {c.id}): {'; '.join(c.problems)}" for c in report.unverifiable]
     notes += [f"ignored: {name} is not a shard name (readers ignore it too)" for name in report.ignored]
     notes += [f"being written: {name} is not listed yet, and a writer holds the store" for name in report.writing]
+    if report.pending:
+        notes.append(
+            f"being written: {report.pending} requests with rows on disk are not recorded yet (a writer is at work)"
+        )
     lines.extend(notes[:show])
     if len(notes) > show:
         lines.append(f"... and {len(notes) - show} more unverifiable, ignored or unlisted files")
@@ -479,7 +510,8 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
     else:
         lines.append(
             f"FAILED: {len(report.corrupted)} corrupted, {len(report.missing)} missing, "
-            f"{len(report.lost)} unlisted shards, {len(report.unknown_shards)} requests naming unknown shards, "
+            f"{len(report.lost)} unlisted shards, {len(report.unrecorded)} unrecorded requests, "
+            f"{len(report.unknown_shards)} requests naming unknown shards, "
             f"{len(report.misplaced)} spans naming others' rows, {len(report.duplicates)} duplicate complete lines, "
             f"{len(report.bad_index_lines)} bad index lines{', a bad meta.json' if report.meta_problem else ''}"
         )

@@ -43,14 +43,11 @@ from hscapture.store.format import (
     shard_name,
 )
 from hscapture.store.index import KEPT, IndexLog, rewrite_index
-from hscapture.store.records import Finish, Request, request_record
+from hscapture.store.records import Finish, Request, once, request_record
 from hscapture.store.recovery import recover_open_runs
 from hscapture.store.shards import ShardBuffer, ShardSpec, new_buffer, write_shard
 
 log = logging.getLogger(__name__)
-
-#: Why a second complete capture of an id is recorded incomplete.
-DUPLICATE = "duplicate: this request id is already stored complete in this store (readers serve that one)"
 
 
 @dataclass(frozen=True)
@@ -518,21 +515,12 @@ class StoreWriter:
             if not all(s[0] in self._indexed for s in request.spans):
                 continue  # a shard still being written (or whose write failed: then never)
             del self._requests[request_id]
-            done.append(self._once(request_record(request_id, request)))
+            done.append(once(request_record(request_id, request), self._complete))
         self._index.append(done)
         self.requests_written += len(done)
         if failed is not None:
             shard_id, error = failed
             raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {KEPT}") from error
-
-    def _once(self, line: dict[str, Any]) -> dict[str, Any]:
-        """A store never lists a key complete twice: a second complete capture of an id is recorded
-        incomplete, saying why (readers serve the first)."""
-        if line["status"] == "complete":
-            if line["id"] in self._complete:
-                return {**line, "status": "incomplete", "reason": DUPLICATE}
-            self._complete.add(line["id"])
-        return line
 
     def _durable(self, rows: int, nbytes: int) -> None:
         """On the index thread, once shard lines are fsync'd."""
