@@ -95,7 +95,8 @@ def meta_problem(meta: Any) -> str:
     if meta.get("dtype") not in DTYPES:
         return f"dtype {meta.get('dtype')!r} is none of {sorted(DTYPES)}"
     if meta.get("store_dtype", meta["dtype"]) not in (meta["dtype"], *STORE_DTYPES.values()):
-        return f"store_dtype {meta.get('store_dtype')!r} is unknown to this hscapture"
+        known = ", ".join(map(repr, sorted(set(STORE_DTYPES.values()))))
+        return f"rows stored as {meta.get('store_dtype')!r}; this hscapture reads {known}"
     if not _is_int(meta.get("hidden_size")) or meta["hidden_size"] <= 0:
         return f"hidden_size {meta.get('hidden_size')!r} is not a positive integer"
     tensors = meta.get("tensors")
