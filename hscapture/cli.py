@@ -237,14 +237,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     ver = commands.add_parser(
         "verify",
-        help="check every shard of a store against its checksums",
-        description="Reads every shard the index lists and compares its bytes with the CRC-32 checksums of its "
-        "index line (whole file and per tensor). Exit status: 0 everything verifies, 1 something is corrupted "
-        "or missing, 2 DIR is not a store.",
+        help="check every index line and every shard of a store against its checksums",
+        description="Checks meta.json and every index line (its checksum, its fields), reads every shard the index "
+        "lists and compares its bytes with the CRC-32 checksums of its index line (whole file and per tensor), "
+        "checks that each request's spans name its own rows, and finds shard files no line lists (lost index "
+        "lines). Exit status: 0 everything verifies, 1 something is corrupted, missing or lost, 2 DIR is not a store.",
     )
     ver.add_argument("dir", type=Path, metavar="DIR", help="store directory")
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
     ver.add_argument("--jobs", type=int, default=4, help="shards checked in parallel (default 4)")
+    ver.add_argument(
+        "--repair",
+        action="store_true",
+        help="first rebuild the index from the shards' own metadata: drop damaged lines, list unlisted shards, "
+        "record requests whose lines were lost as incomplete (the old index is kept beside it); then verify",
+    )
 
     exp = commands.add_parser(
         "export",
@@ -344,6 +351,13 @@ def _extract(args: argparse.Namespace) -> int:
         f"read it: python -c \"from hscapture import open_store; s = open_store('{options.out}'); "
         'print(s.get(s.keys()[0]))"'
     )
+    if summary.empty_loss_mask:
+        print(
+            f"warning: {summary.empty_loss_mask} of the {summary.samples} samples captured have an empty loss mask "
+            "(no assistant turn: nothing in them is trained on); they are stored complete, and hscapture export "
+            "leaves them out unless --keep-empty-loss-mask",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -442,6 +456,11 @@ def _verify(args: argparse.Namespace) -> int:
         return tqdm(checks, total=total, unit="shard", desc="verify", disable=not show, leave=False)
 
     try:
+        if args.repair:
+            from hscapture.store.repair import format_repair, repair_store
+
+            repaired = repair_store(args.dir)
+            print(format_repair(repaired), file=sys.stderr if args.json else sys.stdout, flush=True)
         report = verify_store(args.dir, jobs=args.jobs, progress=progress)
     except StoreError as exc:
         print(f"hscapture verify: {exc}", file=sys.stderr)

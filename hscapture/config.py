@@ -8,6 +8,7 @@ received and the allowed range.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -296,6 +297,13 @@ class ConsumerConfig:
     #: by the writer threads for a host ring); unset stores them as captured (or as the existing
     #: store does).
     store_dtype: str | None = field(default=None, metadata=flag(choices=sorted(STORE_DTYPES)))
+    #: Let this group read the store (directory setgid 2750, files 0640); by default the store is
+    #: private to you (0700, 0600), or shared as an existing store already is.
+    share_group: str | None = None
+    #: A descriptor of the store's ``.lock`` that the process starting this consumer has locked
+    #: already (``hscapture extract`` passes its own, so no other writer gets in between): the
+    #: consumer writes under that lock instead of taking it.
+    store_lock_fd: int | None = None
 
     def __post_init__(self) -> None:
         self.store_dtype = store_dtype_name(self.store_dtype)
@@ -324,11 +332,16 @@ class ConsumerConfig:
 
 
 def ensure_writable_dir(path: Path, field_name: str) -> Path:
-    """Create ``path`` if needed and prove it writable, or raise a ValueError naming ``field_name``."""
+    """Create ``path`` if needed (private: 0700) and prove it writable, or raise a ValueError naming ``field_name``.
+
+    The probe is a new file of an unpredictable name, created exclusively without following links.
+    """
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            os.mkdir(path, 0o700)
+        probe = path / f".hscapture-write-probe.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
         probe.unlink()
     except OSError as exc:
         raise ValueError(f"{field_name}: {str(path)!r} is not writable ({exc.strerror}); pick another") from None

@@ -10,6 +10,7 @@ reproduced call for call).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+#: A JSON escape of a UTF-16 surrogate (``\\ud800``-``\\udfff``): only then can a parsed string hold a lone one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 #: Roles a chat message may have.
 ROLES = ("system", "user", "assistant")
 #: ShareGPT ``from`` values and the role each one means.
@@ -67,8 +70,9 @@ def read_records(path: Path | str) -> Iterator[tuple[int, dict[str, Any]]]:
         An iterator of ``(line_number, record)``, line numbers counted from 1; blank lines are skipped.
 
     Raises:
-        ValueError: If a line is not valid UTF-8, not valid JSON, or not a JSON object; the message
-            names the file and line.
+        ValueError: If a line is not valid UTF-8, not valid JSON, not a JSON object, or holds a lone
+            UTF-16 surrogate (``"\\ud800"``, which no tokenizer can encode); the message names the file
+            and line.
         FileNotFoundError: If ``path`` does not exist.
     """
     path = Path(path)
@@ -94,7 +98,19 @@ def read_records(path: Path | str) -> Iterator[tuple[int, dict[str, Any]]]:
                     f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}; "
                     'each line must be an object such as {"messages": [...]}'
                 )
+            if _SURROGATE_ESCAPE.search(line):  # a pair is fine (an emoji), half of one is not text
+                _check_text(record, f"{path}:{line_number}")
             yield line_number, record
+
+
+def _check_text(record: dict[str, Any], where: str) -> None:
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{where}: a string holds a lone surrogate {e.object[e.start : e.end]!a} (half of a UTF-16 pair, "
+            "not a character, so no tokenizer can encode it); fix the text or drop the record"
+        ) from None
 
 
 def record_key(record: Mapping[str, Any], index: int) -> str:
@@ -299,28 +315,12 @@ def tokenize_record(
     return Sample(key=key, input_ids=input_ids, loss_mask=loss_mask)
 
 
-def load_samples(
-    path: Path | str,
-    tokenizer: PreTrainedTokenizerBase,
-    max_length: int | None = None,
-    skip_keys: AbstractSet[str] = frozenset(),
-) -> Iterator[Sample]:
-    """Yield the Samples of a JSONL file lazily, in file order.
-
-    Args:
-        path: JSONL file of records (see ``tokenize_record`` for the shapes).
-        tokenizer: A Hugging Face tokenizer.
-        max_length: Truncate each sample to this many tokens; None keeps everything.
-        skip_keys: Keys not to tokenize or yield (for example those already extracted by an
-            interrupted run); they still count for duplicate detection and default keys.
-
-    Returns:
-        An iterator of Samples. Default keys use the record's 0-based position among the file's
-        records, so they are stable across runs over the same file.
+def keyed_records(path: Path | str) -> Iterator[tuple[int, int, str, dict[str, Any]]]:
+    """Yield ``(index, line_number, key, record)`` for each record of a JSONL file, keys checked unique.
 
     Raises:
-        ValueError: On a malformed line or record (the message names the file and line), or if two
-            records share a key (the message names both lines).
+        ValueError: On a malformed line or record, or a bad or repeated key (the message names the
+            file and line, both lines for a repeated key).
     """
     path = Path(path)
     seen: dict[str, int] = {}
@@ -335,6 +335,39 @@ def load_samples(
                 "record ids must be unique within a file because outputs are stored by key"
             )
         seen[key] = line_number
+        yield index, line_number, key, record
+
+
+def load_samples(
+    path: Path | str,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int | None = None,
+    skip_keys: AbstractSet[str] = frozenset(),
+    limit: int | None = None,
+) -> Iterator[Sample]:
+    """Yield the Samples of a JSONL file lazily, in file order.
+
+    Args:
+        path: JSONL file of records (see ``tokenize_record`` for the shapes).
+        tokenizer: A Hugging Face tokenizer.
+        max_length: Truncate each sample to this many tokens; None keeps everything.
+        skip_keys: Keys not to tokenize or yield (for example those already extracted by an
+            interrupted run); they still count for duplicate detection and default keys.
+        limit: Only the first this many records of the file (skipped ones included, so a resumed
+            run with the same limit finishes the same records); None reads them all.
+
+    Returns:
+        An iterator of Samples. Default keys use the record's 0-based position among the file's
+        records, so they are stable across runs over the same file.
+
+    Raises:
+        ValueError: On a malformed line or record (the message names the file and line), or if two
+            records share a key (the message names both lines).
+    """
+    path = Path(path)
+    for index, line_number, key, record in keyed_records(path):
+        if limit is not None and index >= limit:
+            return
         if key in skip_keys:
             continue
         try:

@@ -32,12 +32,16 @@ class CaptureDataset(Dataset[Sample]):
         dequantize: on an fp8 store, return rows in the captured dtype (default); False gives the
             float8_e4m3fn codes plus ``{name}.scale`` per row, for dequantizing on the GPU.
         max_open_shards: shard mappings each process keeps open.
+        verify: check every row served against the checksum written with it (the default; a damaged
+            row raises :class:`~hscapture.errors.StoreError` naming the shard and the request). False
+            skips the CRC-32s (``benchmarks/read_verify.py`` measures what they cost).
 
     Each item: ``input_ids``, ``positions``, ``loss_mask`` (int64 ``[seq]``) and each requested
     tensor ``[seq, hidden]``, rows sorted by position.
 
     Raises:
-        StoreError: not a store. KeyError: a tensor or key the store does not hold (or holds incomplete).
+        StoreError: not a store, or a damaged one. KeyError: a tensor or key the store does not hold (or
+            holds incomplete).
     """
 
     def __init__(
@@ -48,8 +52,9 @@ class CaptureDataset(Dataset[Sample]):
         keys: Sequence[str] | None = None,
         dequantize: bool = True,
         max_open_shards: int = 16,
+        verify: bool = True,
     ) -> None:
-        self.store = Store(store_dir, max_open_shards=max_open_shards)
+        self.store = Store(store_dir, max_open_shards=max_open_shards, verify=verify)
         self.tensors = list(self.store.tensor_names if tensors is None else tensors)
         unknown = [name for name in self.tensors if name not in self.store.tensor_names]
         if unknown:

@@ -27,6 +27,7 @@ import io
 import json
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,8 @@ from tqdm import tqdm
 
 from hscapture.config import eagle3_default_layers, flag
 from hscapture.errors import StoreError
-from hscapture.store.files import write_atomic
+from hscapture.ownership import open_own
+from hscapture.store.files import prepare_store_dir, write_all, write_atomic
 from hscapture.store.reader import Store, open_store
 
 FORMATS = ("specforge", "speculators")
@@ -121,8 +123,8 @@ def export(options: ExportOptions) -> ExportSummary:
     tensors = choose_tensors(store, options.format, options.aux_layers, options.num_layers, options.any_aux_count)
     writer = _WRITERS[options.format]
     out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = _Manifest(out, {"format": options.format, "aux": tensors.aux, "final": tensors.final})
+    mode = prepare_store_dir(out, what="export directory")
+    manifest = _Manifest(out, {"format": options.format, "aux": tensors.aux, "final": tensors.final}, mode)
     summary = ExportSummary(aux=tensors.aux, final=tensors.final)
     keys = _eligible(store, options, summary)
     for key in tqdm(keys, unit="sample", desc=f"export {options.format}", disable=not options.progress):
@@ -140,8 +142,8 @@ def export(options: ExportOptions) -> ExportSummary:
             summary.skipped_empty_loss_mask += 1
             continue
         path = writer.path(out, index)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, writer.encode(sample, tensors))
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(path, writer.encode(sample, tensors), mode)
         manifest.add({"index": index, "id": key, "rows": len(sample["input_ids"]), "file": str(path.relative_to(out))})
         summary.written += 1
         summary.empty_loss_mask += empty
@@ -340,7 +342,7 @@ def _speculators_table(out: Path, store: Store, manifest: _Manifest, changed: bo
     table = pa.table({"input_ids": column(ids), "loss_mask": column(masks), "seq_len": pa.array(lengths)})
     dataset = datasets.Dataset(table)
     dataset.set_format("torch")  # as speculators' prepare_data saves it: rows come back as int64 tensors
-    staging = out / ".table.tmp"
+    staging = Path(tempfile.mkdtemp(prefix=".hscapture-table.", dir=out))  # ours alone (0700, a fresh name)
     shown = datasets.is_progress_bar_enabled()
     if not progress:
         datasets.disable_progress_bars()
@@ -354,6 +356,7 @@ def _speculators_table(out: Path, store: Store, manifest: _Manifest, changed: bo
         if not (staging / stale.name).exists():
             stale.unlink()
     for path in moved:
+        os.chmod(path, manifest.mode)
         os.replace(path, out / path.name)
     staging.rmdir()
 
@@ -368,10 +371,14 @@ _WRITERS = {
 
 
 class _Manifest:
-    """``hscapture-export.jsonl``: a header line, then one line per sample file once it is durable."""
+    """``hscapture-export.jsonl``: a header line, then one line per sample file once it is durable.
 
-    def __init__(self, out: Path, header: dict[str, Any]) -> None:
+    Opened without following links, created with ``mode`` (the export directory's file mode).
+    """
+
+    def __init__(self, out: Path, header: dict[str, Any], mode: int) -> None:
         self.path = out / MANIFEST
+        self.mode = mode
         self.entries: dict[str, dict[str, Any]] = {}
         header = {"type": "export", "version": MANIFEST_VERSION, **header}
         lines = self._read()
@@ -392,20 +399,26 @@ class _Manifest:
         self._append(self.entries[entry["id"]])
 
     def _read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
+        try:
+            fd = open_own(self.path, os.O_RDWR, "export manifest")
+        except FileNotFoundError:
             return []
-        data = self.path.read_bytes()
-        whole = data[: data.rfind(b"\n") + 1]  # a line without its newline is a crash mid-append: cut it
-        if len(whole) < len(data):
-            with self.path.open("r+b") as handle:
-                handle.truncate(len(whole))
+        try:
+            data = os.pread(fd, os.fstat(fd).st_size, 0)
+            whole = data[: data.rfind(b"\n") + 1]  # a line without its newline is a crash mid-append: cut it
+            if len(whole) < len(data):
+                os.ftruncate(fd, len(whole))
+        finally:
+            os.close(fd)
         try:
             return [json.loads(line) for line in whole.splitlines()]
         except json.JSONDecodeError as exc:
             raise StoreError(f"{self.path}: not JSON lines ({exc}); export into a new --out") from None
 
     def _append(self, record: dict[str, Any]) -> None:
-        with self.path.open("ab") as handle:
-            handle.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        fd = open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "export manifest", self.mode)
+        try:
+            write_all(fd, json.dumps(record, separators=(",", ":")).encode() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -8,6 +8,11 @@ plugin). The producer side captures with the block policy (nothing is lost) and 
 its own process (``hscapture consume``) writes the store, exactly as in streaming capture. Each
 record is one request keyed by its id. A rerun over the same data skips every sample the store
 already holds complete, so an interrupted extraction resumes without duplicating or losing samples.
+
+Everything that can be checked cheaply is checked before the model loads: the options, every record
+of the data (its JSON, key and text), and the store, whose lock this job takes at once and holds to
+the end (handing it to its consumer), so a second extraction into the same ``--out`` is refused
+right away instead of capturing every sample again.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from tqdm import tqdm
 
 from hscapture.config import STORE_DTYPES, MiB, ensure_writable_dir, flag, store_dtype_name
 from hscapture.consumer import consume_command
-from hscapture.data import Sample, load_samples
+from hscapture.data import Sample, keyed_records, load_samples
 from hscapture.errors import HSCaptureError
+from hscapture.store.files import StoreLock, group_id, lock_store, prepare_store_dir
 from hscapture.store.format import META_FILE, check_store_dtype
 from hscapture.store.reader import Store, open_store
 
@@ -60,7 +67,8 @@ class ExtractOptions:
     max_batch_tokens: int = 4096
     #: Samples per forward call.
     max_batch_size: int = 64
-    #: Stop after this many samples (for trials).
+    #: Capture only the first this many records of the data; a rerun with the same limit resumes
+    #: exactly those (it does not mean this many more).
     limit: int | None = None
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
@@ -83,6 +91,9 @@ class ExtractOptions:
     temperature: float = 0.0
     #: SGLang only: more SGLang server arguments (``hscapture extract ... -- ARGS``, as for ``serve``).
     sglang_args: list[str] = field(default_factory=list)
+    #: Let this group read the store (directory setgid 2750, files 0640); by default it is private
+    #: to you (0700, 0600), or shared as an existing store already is.
+    share_group: str | None = None
 
 
 @dataclass
@@ -92,6 +103,8 @@ class ExtractSummary:
     seconds: float
     skipped: int
     store: dict[str, Any]
+    #: Samples captured by this run whose loss mask is empty (no assistant turn: nothing to train on).
+    empty_loss_mask: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -145,17 +158,19 @@ def done_keys(out: Path) -> set[str]:
     return set(open_store(out).keys(complete_only=True))
 
 
-def start_consumer(endpoint: str, options: ExtractOptions) -> subprocess.Popen:
-    """``hscapture consume`` in its own process, exiting at our end of stream or when we die."""
+def start_consumer(endpoint: str, options: ExtractOptions, lock: StoreLock) -> subprocess.Popen:
+    """``hscapture consume`` in its own process, writing under our lock of the store, exiting at our end of
+    stream or when we die."""
     command = consume_command(
         endpoint,
         options.out,
         *("--shard-bytes", str(options.shard_bytes)),
         *(("--writer-threads", str(options.writer_threads)) if options.writer_threads is not None else ()),
         *(("--store-dtype", options.store_dtype) if options.store_dtype is not None else ()),
+        *("--store-lock-fd", str(lock.fileno())),
         *("--exit-on-eos", "--watch-pid", str(os.getpid()), "--quiet", *options.consumer_args),
     )
-    return subprocess.Popen(command)
+    return subprocess.Popen(command, pass_fds=(lock.fileno(),))
 
 
 def wait_consumer(consumer: subprocess.Popen, timeout_s: float = 120.0) -> int:
@@ -167,11 +182,59 @@ def wait_consumer(consumer: subprocess.Popen, timeout_s: float = 120.0) -> int:
         return consumer.wait(10)
 
 
-def open_engine(options: ExtractOptions) -> OfflineEngine:
-    """The engine adapter ``options.engine`` names, with its model (or tokenizer) loaded.
+def check_options(options: ExtractOptions) -> Path:
+    """Everything about the options that needs no model, checked; returns the data file.
 
     Raises:
-        ValueError: an unknown engine or mode, a bad model directory, dtype or layer id.
+        ValueError: nothing to capture, a device this host lacks, a bad limit, engine, mode or share
+            group, or a data file that is missing, not a file, or holds a bad record (named by line).
+    """
+    if options.layers is not None and not options.layers and not options.capture_last:
+        raise ValueError("--layers: nothing to capture (no layer ids and --no-last); give layer ids or drop --no-last")
+    if options.limit is not None and options.limit < 1:
+        raise ValueError(f"--limit: {options.limit}; give how many records of the data to capture (at least 1)")
+    if options.engine not in ENGINES:
+        raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
+    if options.engine == "hf" and options.mode != "teacher":
+        raise ValueError("--mode regenerate needs --engine sglang (the HF engine runs teacher forcing only)")
+    if options.engine == "hf" and options.sglang_args:
+        raise ValueError(f"{' '.join(options.sglang_args)}: arguments after -- are SGLang's; they need --engine sglang")
+    _check_device(options.device)
+    if options.share_group is not None:
+        group_id(options.share_group)
+    data = Path(options.data) if options.data is not None else default_data_path()
+    if not data.exists():
+        raise ValueError(f"--data: {str(data)!r} does not exist; give a JSONL file of records")
+    if not data.is_file():
+        raise ValueError(f"--data: {str(data)!r} is not a file; give a JSONL file of records")
+    try:
+        for _ in keyed_records(data):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--data: {str(data)!r} is not readable ({exc.strerror})") from None
+    return data
+
+
+def _check_device(device: str) -> None:
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device: {device!r} is not a torch device; use cpu or cuda[:N]") from None
+    if parsed.type != "cuda":
+        return
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(f"--device {device}: no CUDA device is visible on this host; use --device cpu")
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"--device {device}: this host has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+
+
+def open_engine(options: ExtractOptions) -> OfflineEngine:
+    """The engine adapter ``options.engine`` names (checked by :func:`check_options`), with its model (or
+    tokenizer) loaded.
+
+    Raises:
+        ValueError: a bad model directory, dtype or layer id.
     """
     if options.engine == "sglang":
         from hscapture.integrations.sglang_offline import SGLangExtraction
@@ -180,12 +243,6 @@ def open_engine(options: ExtractOptions) -> OfflineEngine:
             options.model, options.layers, options.capture_last, options.dtype, options.device, options.mode,
             options.max_batch_size, options.max_new_tokens, options.temperature, options.sglang_args,
         )  # fmt: skip
-    if options.engine != "hf":
-        raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
-    if options.mode != "teacher":
-        raise ValueError("--mode regenerate needs --engine sglang (the HF engine runs teacher forcing only)")
-    if options.sglang_args:
-        raise ValueError(f"{' '.join(options.sglang_args)}: arguments after -- are SGLang's; they need --engine sglang")
     from hscapture.integrations.hf import HFExtraction
 
     return HFExtraction(
@@ -198,30 +255,37 @@ def extract(options: ExtractOptions) -> ExtractSummary:
     """Run the whole extraction; see the module docstring.
 
     Raises:
-        ValueError: bad options (layer out of range, unreadable data, unwritable output).
+        ValueError: bad options (nothing to capture, a missing device, layer out of range, unreadable
+            data, unwritable output); checked before the model loads.
+        StoreError: another process writes the store (refused at once, naming its pid).
         HSCaptureError: the consumer process failed.
     """
     out = Path(options.out)
+    data = check_options(options)
     ensure_writable_dir(out, "--out")
-    check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
-    engine = open_engine(options)
+    lock = lock_store(out, 1.0, prepare_store_dir(out, options.share_group))
     try:
-        return _run(engine, options, out)
+        check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
+        engine = open_engine(options)
+        try:
+            return _run(engine, options, out, data, lock)
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        lock.close()
 
 
-def _run(engine: OfflineEngine, options: ExtractOptions, out: Path) -> ExtractSummary:
-    data = Path(options.data) if options.data is not None else default_data_path()
+def _run(engine: OfflineEngine, options: ExtractOptions, out: Path, data: Path, lock: StoreLock) -> ExtractSummary:
     skip = done_keys(out)
-    samples = list(load_samples(data, engine.tokenizer, options.max_length, skip_keys=skip))[: options.limit]
+    samples = list(load_samples(data, engine.tokenizer, options.max_length, skip_keys=skip, limit=options.limit))
     if skip:
         print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
     if not samples:  # nothing left to capture: no producer, no consumer
         return ExtractSummary(0, 0, 0.0, len(skip), open_store(out).summary() if skip else {})
+    empty = sum(not any(sample.loss_mask) for sample in samples)
     batches = engine.plan(samples)
     endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
-    consumer = start_consumer(endpoint, options)
+    consumer = start_consumer(endpoint, options, lock)
 
     def consumer_alive() -> None:
         if consumer.poll() is not None:
@@ -256,7 +320,7 @@ def _run(engine: OfflineEngine, options: ExtractOptions, out: Path) -> ExtractSu
         raise consumer_error(code, out)
     store = open_store(out)
     engine.check(store)
-    return ExtractSummary(len(samples), tokens, seconds, len(skip), store.summary())
+    return ExtractSummary(len(samples), tokens, seconds, len(skip), store.summary(), empty)
 
 
 def capture_failure(out: Path) -> str:

@@ -5,7 +5,7 @@ first that we meant to create, or plant a symbolic link where we are about to wr
 
 * a directory we keep sockets, tokens or keys in must be ours, a real directory (no link) and
   closed to others (0700); one that is not is refused, never repaired behind the user's back;
-* a file we write is created afresh under an unpredictable name of our own with
+* a file we write is created afresh under an unpredictable name of our own (:func:`temp_sibling`) with
   ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, then renamed over its name (a link planted
   there is replaced, never followed);
 * a file we read a secret from is opened with ``O_NOFOLLOW`` and must be a regular file of ours
@@ -26,7 +26,10 @@ from pathlib import Path
 
 from hscapture.errors import AccessError
 
-#: Our temp files: ``.NAME.PID.RANDOM.tmp``; the pid lets a later run reclaim those of a dead writer.
+#: What every temp name of ours starts with, after its dot.
+TEMP_PREFIX = "hscapture-"
+#: Our temp files: ``.NAME.PID.RANDOM.tmp`` (NAME starting with TEMP_PREFIX since version 2 of the store);
+#: the pid lets a later run reclaim those of a dead writer.
 _TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{12}\.tmp$")
 
 #: Secrets and keys are small; a larger file in their place is not one of ours.
@@ -59,10 +62,10 @@ def check_private_dir(path: Path, what: str) -> None:
     if not stat.S_ISDIR(info.st_mode):
         raise AccessError(f"{what} {path} is not a directory; remove it, or choose another path")
     fix = f"if you made it and trust its contents run `chmod 700 {path}`, else remove it"
-    _check_owner(info, path, what, 0o077, fix)
+    check_owner(info, path, what, 0o077, fix)
 
 
-def _check_owner(info: os.stat_result, path: Path, what: str, open_bits: int, fix_mode: str) -> None:
+def check_owner(info: os.stat_result, path: Path, what: str, open_bits: int, fix_mode: str) -> None:
     """Raise :class:`AccessError` when ``info`` is another user's, or has any of ``open_bits`` set."""
     if info.st_uid != os.getuid():
         raise AccessError(
@@ -74,11 +77,17 @@ def _check_owner(info: os.stat_result, path: Path, what: str, open_bits: int, fi
         raise AccessError(f"{what} {path} has mode {mode:04o}, open to other users; {fix_mode}")
 
 
-def write_private(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically, mode 0600, never writing through a link planted anywhere."""
+def temp_sibling(path: Path) -> Path:
+    """An unpredictable temp name beside ``path``, ``.hscapture-NAME.PID.RANDOM.tmp`` (the pid lets a
+    later run reclaim it if this process dies; the prefix tells it from any temp file of the user's)."""
+    return path.with_name(f".{TEMP_PREFIX}{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+
+
+def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` atomically, with ``mode``, never writing through a link planted anywhere."""
     path = Path(path)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-    fd = create_private(temp, os.O_WRONLY)
+    temp = temp_sibling(path)
+    fd = create_private(temp, os.O_WRONLY, mode)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -90,9 +99,42 @@ def write_private(path: Path, data: bytes) -> None:
         raise
 
 
-def create_private(path: Path, flags: int = os.O_RDWR) -> int:
-    """A new file at ``path`` (never an existing one, never through a link), mode 0600; its descriptor."""
-    return os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def create_private(path: Path, flags: int = os.O_RDWR, mode: int = 0o600) -> int:
+    """A new file at ``path`` (never an existing one, never through a link), exactly ``mode``; its descriptor."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    if mode & 0o077:  # the umask may have taken bits the caller asked for (a shared store's group read)
+        os.fchmod(fd, mode)
+    return fd
+
+
+def open_own(path: Path, flags: int, what: str, mode: int = 0o600) -> int:
+    """Open ``path`` never through a link (created with ``mode`` if ``flags`` say so); it must be a regular
+    file of ours. Returns its descriptor.
+
+    Raises:
+        AccessError: a link, not a regular file, or another user's; the message names the path and the fix.
+        FileNotFoundError: it does not exist (and ``flags`` do not create it).
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise AccessError(
+                f"{what} {path} is a symbolic link, which hscapture never follows: another user may have planted "
+                "it; remove it"
+            ) from None
+        raise AccessError(f"{what} {path}: cannot open it ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AccessError(f"{what} {path} is not a regular file; remove it")
+        check_owner(info, path, what, 0, "")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_private(path: Path, what: str, *, secret: bool = True) -> bytes | None:
@@ -107,21 +149,12 @@ def read_private(path: Path, what: str, *, secret: bool = True) -> bytes | None:
         AccessError: a link, not a regular file, another user's, or too open; the message says the fix.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_own(path, os.O_RDONLY | os.O_NONBLOCK, what)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise AccessError(
-                f"{what} {path} is a symbolic link, which hscapture never follows: another user may have planted "
-                "it; remove it"
-            ) from None
-        raise AccessError(f"{what} {path}: cannot open it ({exc.strerror})") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise AccessError(f"{what} {path} is not a regular file; remove it")
-        _check_owner(info, path, what, 0o077 if secret else 0o022, f"run `chmod {600 if secret else 644} {path}`")
+        fix = f"run `chmod {600 if secret else 644} {path}`"
+        check_owner(os.fstat(fd), path, what, 0o077 if secret else 0o022, fix)
         return os.read(fd, _MAX_READ)
     finally:
         os.close(fd)

@@ -33,6 +33,7 @@ from hscapture.integrations.sglang import (
 )
 from hscapture.integrations.sglang_models import launch_plan
 from hscapture.keys import KEYS_ENV, ensure_keys
+from hscapture.store.files import prepare_store_dir
 from hscapture.store.reader import open_store
 
 
@@ -61,6 +62,9 @@ class ServeOptions:
     grace_s: float = 30.0
     #: Extra arguments for the consumer processes (tests).
     consumer_args: list[str] = field(default_factory=list)
+    #: Let this group read the store (directory setgid 2750, files 0640); by default it is private
+    #: to you (0700, 0600), or shared as an existing store already is.
+    share_group: str | None = None
 
 
 def option_value(args: list[str], *names: str) -> str | None:
@@ -89,7 +93,7 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
     if model is None:
         raise ValueError("give SGLang's --model-path after --, e.g. hscapture serve --out DIR -- --model-path M")
     streams = capture_streams(sglang_args)
-    ensure_writable_dir(Path(options.out), "--out")
+    prepare_store_dir(ensure_writable_dir(Path(options.out), "--out"), options.share_group)
     base = options.endpoint or f"ipc:///tmp/hscapture-{os.getuid()}/serve-{os.getpid()}"
     plan = launch_plan(model, options.layers)  # refuses what SGLang's capture cannot give, before it starts
     settings = PluginSettings(
@@ -123,6 +127,7 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
                 "--shard-bytes",
                 str(options.shard_bytes),
                 *keys_args,
+                *(("--share-group", options.share_group) if options.share_group is not None else ()),
                 *options.consumer_args,
             ),
             start_new_session=True,  # a terminal's Ctrl-C reaches us; we stop the consumers in order

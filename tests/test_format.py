@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hscapture import open_store
+from hscapture.store.format import encode_line
 from hscapture.store.records import Finish
 from hscapture.store.writer import RowGeometry, StoreWriter
 from tests.storefeed import write_rows
@@ -53,7 +54,7 @@ SHARD_ROWS = [("a", 0), ("a", 1), ("a", 2), ("b", 3), ("b", 0), ("b", 1), ("a", 
 
 EXPECTED_META = {
     "format": "hscapture-store",
-    "version": 1,
+    "version": 2,
     "dtype": "bfloat16",
     "hidden_size": 4,
     "tensors": [
@@ -92,22 +93,24 @@ EXPECTED_REQ_B = {
 }
 EXPECTED_RUN_END = {"type": "run_end", "run_id": "run-golden", "reason": "eos", "counters": {"rows_dropped": 1}}
 
-# safetensors puts the 8-byte-aligned dtypes first, then sorts by name; the header is padded
-# with spaces to a multiple of 8 bytes.
-EXPECTED_HEADER_LEN = 448
-EXPECTED_SHARD_BYTES = 8 + EXPECTED_HEADER_LEN + 252
+# safetensors puts the 8-byte-aligned dtypes first (U32 before I32), then sorts by name; the header
+# is padded with spaces to a multiple of 8 bytes.
+EXPECTED_HEADER_LEN = 512
+EXPECTED_SHARD_BYTES = 8 + EXPECTED_HEADER_LEN + 308
 EXPECTED_HEADER = {
     "__metadata__": {
         "format": "hscapture-shard",
-        "version": "1",
+        "version": "2",
         "run_id": "run-golden",
         "request_ids": ["req-a", "req-b"],  # stored as a JSON string; decoded before comparing
     },
     "positions": {"dtype": "I64", "shape": [7], "data_offsets": [0, 56]},
     "token_ids": {"dtype": "I64", "shape": [7], "data_offsets": [56, 112]},
-    "request_index": {"dtype": "I32", "shape": [7], "data_offsets": [112, 140]},
-    "last": {"dtype": "BF16", "shape": [7, 4], "data_offsets": [140, 196]},
-    "layer_1": {"dtype": "BF16", "shape": [7, 4], "data_offsets": [196, 252]},
+    # CRC-32 of each stored row of each captured tensor, columns in meta.json order (layer_1, last)
+    "row_crc32": {"dtype": "U32", "shape": [7, 2], "data_offsets": [112, 168]},
+    "request_index": {"dtype": "I32", "shape": [7], "data_offsets": [168, 196]},
+    "last": {"dtype": "BF16", "shape": [7, 4], "data_offsets": [196, 252]},
+    "layer_1": {"dtype": "BF16", "shape": [7, 4], "data_offsets": [252, 308]},
 }
 # CRC-32 (zlib.crc32) of each tensor's data bytes, in file order. The whole-file ``crc32`` is not
 # golden: safetensors writes ``__metadata__`` keys in hash order, which changes between processes,
@@ -115,6 +118,7 @@ EXPECTED_HEADER = {
 EXPECTED_TENSOR_CRC32 = {
     "positions": "8279f597",
     "token_ids": "aef2b211",
+    "row_crc32": "26d64fa1",
     "request_index": "7917aa89",
     "last": "e2ce5567",
     "layer_1": "c6fe9d41",
@@ -199,7 +203,17 @@ def index_lines(root: Path) -> list[str]:
 
 
 def index_records(root: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in index_lines(root)]
+    """The index's records, each line's ``line_crc32`` checked by hand (zlib.crc32 of the bytes before
+    ``,"line_crc32"``, its last field) and removed."""
+    records = []
+    for line in index_lines(root):
+        body, tail = line.rsplit(',"line_crc32":"', 1)
+        assert tail == f'{zlib.crc32(body.encode()):08x}"}}\n', line
+        record = json.loads(line)
+        assert list(record)[-1] == "line_crc32"
+        del record["line_crc32"]
+        records.append(record)
+    return records
 
 
 def pop_file_crc32(root: Path, records: list[dict[str, Any]]) -> None:
@@ -263,13 +277,14 @@ def test_index_lines_stay_golden_with_rows_split_over_three_shards(tmp_path: Pat
     records[0].pop("time")
     pop_file_crc32(root, records)
     shards = [
-        {"type": "shard", "id": 0, "file": "shard-000000.safetensors", "rows": 3, "bytes": 548},
-        {"type": "shard", "id": 1, "file": "shard-000001.safetensors", "rows": 3, "bytes": 548},
-        {"type": "shard", "id": 2, "file": "shard-000002.safetensors", "rows": 1, "bytes": 468},
+        {"type": "shard", "id": 0, "file": "shard-000000.safetensors", "rows": 3, "bytes": 636},
+        {"type": "shard", "id": 1, "file": "shard-000001.safetensors", "rows": 3, "bytes": 636},
+        {"type": "shard", "id": 2, "file": "shard-000002.safetensors", "rows": 1, "bytes": 548},
     ]
     shards[0]["tensor_crc32"] = {
         "positions": "4f8c5ccc",
         "token_ids": "4751a91d",
+        "row_crc32": "c8278cac",
         "request_index": "7bd5c66f",
         "last": "acb49535",
         "layer_1": "c1b09fdf",
@@ -277,6 +292,7 @@ def test_index_lines_stay_golden_with_rows_split_over_three_shards(tmp_path: Pat
     shards[1]["tensor_crc32"] = {
         "positions": "37756396",
         "token_ids": "26ce8834",
+        "row_crc32": "497cd208",
         "request_index": "7bd5c66f",  # all zeros (3 x int32), as in shard 0
         "last": "cb46ba83",
         "layer_1": "4959eeef",
@@ -284,6 +300,7 @@ def test_index_lines_stay_golden_with_rows_split_over_three_shards(tmp_path: Pat
     shards[2]["tensor_crc32"] = {
         "positions": "ebadd88a",
         "token_ids": "bf0c76cb",
+        "row_crc32": "91eef6b1",
         "request_index": "2144df1c",
         "last": "0d320e93",
         "layer_1": "9f2082e7",
@@ -334,6 +351,9 @@ def test_shard_tensor_bytes_are_golden(store: Path) -> None:
     for t, name in enumerate(NAMES):
         expected = b"".join(bf16_bytes(request_rows(r)[t][p]) for r, p in SHARD_ROWS)
         assert raw(name) == expected, name
+    # row_crc32[r, t]: zlib.crc32 of row r of tensor t (meta.json order: layer_1, last), as stored
+    crcs = [zlib.crc32(bf16_bytes(request_rows(r)[t][p])) for r, p in SHARD_ROWS for t in range(len(NAMES))]
+    assert raw("row_crc32") == struct.pack(f"<{len(crcs)}I", *crcs)
     assert raw("positions") == struct.pack("<7q", 0, 1, 2, 3, 0, 1, 3)
     assert raw("token_ids") == struct.pack("<7q", 100, 101, 102, 203, 200, 201, 103)
     assert raw("request_index") == struct.pack("<7i", 0, 0, 0, 1, 1, 1, 0)
@@ -446,7 +466,7 @@ def test_writer_cuts_a_torn_last_line_before_appending(store: Path, torn: str) -
 def test_a_later_request_line_wins(store: Path) -> None:
     """An id on several lines (a resumed extraction): the last complete line wins."""
     redone = {**EXPECTED_REQ_B, "status": "complete", "reason": "", "meta": {"redone": True}}
-    with open(store / "index.jsonl", "a") as handle:
-        handle.write(json.dumps(redone) + "\n")
+    with open(store / "index.jsonl", "ab") as handle:
+        handle.write(encode_line(redone))
     assert open_store(store).record("req-b") == redone
     assert open_store(store).keys() == ["req-a", "req-b"]

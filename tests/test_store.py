@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -373,10 +374,11 @@ def test_reserve_without_waiting_says_when_every_buffer_waits_for_commits(
 def test_a_failed_shard_write_lists_the_shards_written_before_it_and_only_their_requests(
     tmp_path: Path, rng: np.random.Generator
 ) -> None:
-    """Shard 1 cannot be written (a directory squats its temp name): shard 0 and request a are listed, b never."""
+    """Shard 1 cannot be written (a directory squats its name): shard 0 and request a are listed, b never."""
     requests = {"a": make_request(ROWS_PER_SHARD, "float32", rng), "b": make_request(ROWS_PER_SHARD, "float32", rng)}
     writer = new_writer(tmp_path, writer_threads=1)
-    (tmp_path / (shard_name(1) + ".tmp")).mkdir()
+    (tmp_path / shard_name(1)).mkdir()
+    (tmp_path / shard_name(1) / "squatter").write_bytes(b"")  # a file cannot be renamed over a non-empty directory
     writer.begin_run(*make_layout())
     feed = Feed(writer, requests)
     feed.chunk([("a", range(ROWS_PER_SHARD))])
@@ -522,14 +524,16 @@ def test_shards_are_plain_safetensors(tmp_path: Path, rng: np.random.Generator) 
         assert header["__metadata__"]["run_id"] == "run-a"
         with safe_open(str(path), framework="np") as handle:
             assert json.loads(handle.metadata()["request_ids"]) == table
-            assert set(handle.keys()) == {*NAMES, "positions", "token_ids", "request_index"}
+            assert set(handle.keys()) == {*NAMES, "positions", "token_ids", "request_index", "row_crc32"}
         tensors = load_file(str(path))
         n = len(tensors["positions"])
         assert n <= ROWS_PER_SHARD
         assert tensors["request_index"].dtype == np.int32 and tensors["positions"].dtype == np.int64
-        for name in NAMES:
+        assert tensors["row_crc32"].dtype == np.uint32 and tensors["row_crc32"].shape == (n, len(NAMES))
+        for t, name in enumerate(NAMES):
             assert tensors[name].shape == (n, HIDDEN) and tensors[name].dtype == np.float32
             assert header[name]["dtype"] == "F32"
+            assert [zlib.crc32(row.tobytes()) for row in tensors[name]] == tensors["row_crc32"][:, t].tolist()
         assert sorted(set(tensors["request_index"].tolist())) == list(range(len(table)))
         for row in range(n):
             key = table[tensors["request_index"][row]]

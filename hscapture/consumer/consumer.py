@@ -122,6 +122,8 @@ class Consumer:
                 config.flush_s,
                 store_dtype=config.store_dtype,
                 writeback_bytes=config.writeback_bytes,
+                share_group=config.share_group,
+                lock_fd=config.store_lock_fd,
             )
         self._sockets = ConsumerSockets(config.endpoint, self.consumer_id, curve)
         self._announce, self._release = self._sockets.announce, self._sockets.release

@@ -1,30 +1,113 @@
-"""Durable files: exclusive creation, atomic replacement, directory fsync, the one-writer lock.
+"""A store's files on disk: who may read them, how they are created, replaced and locked.
 
-New files are created with ``O_EXCL | O_NOFOLLOW`` and mode 0600, so a link planted where a file
-is about to be written is never followed and a store stays private to its owner.
+A store holds users' token ids and hidden states, so it is private to its owner unless the owner
+shares it with a group (``share_group``): the directory is then setgid 2750 in that group and every
+file 0640, otherwise the directory is 0700 and every file 0600. A directory another user owns, or
+that others may write into, is refused (whoever can write there can plant links). Every file is
+created afresh under an unpredictable temp name of ours with ``O_EXCL | O_NOFOLLOW`` and renamed
+into place, or (the lock, the index) opened with ``O_NOFOLLOW`` and checked to be a regular file
+of ours, so a link planted where the store writes is never followed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import grp
 import os
+import re
+import stat
 import time
 from pathlib import Path
-from typing import IO
 
-from hscapture.errors import StoreError
+from hscapture.errors import AccessError, StoreError
+from hscapture.ownership import TEMP_PREFIX, check_owner, open_own, unlink_ours, write_private
 from hscapture.store.format import LOCK_FILE
 
-#: Flags of every file the store creates.
-CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+#: Modes of a shared store's directory (setgid: files take its group) and files; a private store's files.
+SHARED_DIR_MODE = 0o2750
+SHARED_FILE_MODE = 0o640
+PRIVATE_FILE_MODE = 0o600
+#: Temp files a store writer names (``.hscapture-NAME.PID.RANDOM.tmp``), and those its earlier versions named.
+_TEMP = re.compile(rf"\.{TEMP_PREFIX}.+\.\d+\.[0-9a-f]{{12}}\.tmp")
+_OLD_TEMP = re.compile(r"(shard-\d{6,}\.safetensors|meta\.json)\.tmp")
 
 
-def create_file(path: Path) -> int:
-    """A new file at ``path`` (a leftover there is removed first), opened for writing; returns its fd."""
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-    return os.open(path, CREATE, 0o600)
+def group_id(name: str) -> int:
+    """The id of a group this user may share a store with.
+
+    Raises:
+        ValueError: no such group, or the user is not in it (only root may give files to any group).
+    """
+    try:
+        gid = int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ValueError(f"share_group: no group {name!r} on this host; give a group you belong to") from None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise ValueError(f"share_group: you are not a member of group {name!r}; give a group you belong to")
+    return gid
+
+
+def prepare_store_dir(root: Path, share_group: str | None = None, what: str = "store directory") -> int:
+    """Create the store directory (0700), or check an existing one; returns the mode of files to create.
+
+    ``root`` may be a link of the user's own to a directory elsewhere; a link another user made is
+    refused. With ``share_group`` the directory is given to that group, setgid and 2750, and the
+    store's files already there become 0640 in it. ``what`` names the directory in messages (an
+    export's output directory follows the same rules).
+
+    Raises:
+        AccessError: a link or directory of another user, or a directory others may write into.
+        ValueError: ``share_group`` names no group of the user's.
+    """
+    gid = None if share_group is None else group_id(share_group)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(root, 0o700)
+    link = os.lstat(root)
+    if stat.S_ISLNK(link.st_mode):
+        check_owner(link, root, "store directory (a link)", 0, "")
+    info = os.stat(root)
+    if not stat.S_ISDIR(info.st_mode):
+        raise AccessError(f"store directory {root} is not a directory; choose another --out")
+    fix = (
+        f"if you made it, run `chmod go-w {root}`, else choose another --out (whoever can write there can plant links)"
+    )
+    check_owner(info, root, "store directory", 0o022, fix)
+    if gid is not None:
+        os.chown(root, -1, gid)
+        os.chmod(root, SHARED_DIR_MODE)
+        for entry in os.scandir(root):
+            if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                _share(Path(entry.path), gid)
+    return file_mode(root)
+
+
+def file_mode(root: Path) -> int:
+    """Files of the store at ``root`` are group-readable exactly when its directory is shared (setgid, group r-x)."""
+    mode = os.stat(root).st_mode
+    return SHARED_FILE_MODE if mode & stat.S_ISGID and mode & stat.S_IRGRP else PRIVATE_FILE_MODE
+
+
+def _share(path: Path, gid: int) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, -1, gid)
+        os.fchmod(fd, SHARED_FILE_MODE)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temps(root: Path) -> list[str]:
+    """Remove the temp files store writers name (never another file, never another user's); their names.
+
+    Call it holding the store's lock: no writer is then alive to own one.
+    """
+    removed = []
+    for entry in os.scandir(root):
+        if (_TEMP.fullmatch(entry.name) or _OLD_TEMP.fullmatch(entry.name)) and unlink_ours(Path(entry.path)):
+            removed.append(entry.name)
+    return removed
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:
@@ -34,16 +117,9 @@ def write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, mode: int = PRIVATE_FILE_MODE) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new, never a torn one."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = create_file(tmp)
-    try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_private(path, data, mode)
     fsync_dir(path.parent)
 
 
@@ -55,23 +131,65 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def lock_store(root: Path, timeout_s: float) -> IO[str]:
-    """Take the store's writer lock (one writer per store), waiting up to ``timeout_s``."""
-    handle = (root / LOCK_FILE).open("a+")
+class StoreLock:
+    """The store's writer lock: an ``flock`` on ``.lock``, which says the holder's pid."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def lock_store(
+    root: Path, timeout_s: float, mode: int = PRIVATE_FILE_MODE, inherited_fd: int | None = None
+) -> StoreLock:
+    """Take the store's writer lock (one writer per store), waiting up to ``timeout_s`` (0: refuse at once).
+
+    Args:
+        root: the store directory.
+        timeout_s: how long to wait for another writer to finish.
+        mode: of the lock file, if it is created.
+        inherited_fd: a descriptor of this store's ``.lock`` that the process which started this one
+            locked already (``hscapture extract`` for its consumer): the lock is shared with it, never
+            released in between, so no other writer gets in.
+
+    Raises:
+        StoreError: another process holds the lock (the message gives its pid), or ``inherited_fd``
+            is not this store's lock file.
+        AccessError: ``.lock`` is a link, not a regular file, or another user's.
+    """
+    path = root / LOCK_FILE
+    if inherited_fd is not None:
+        held, here = os.fstat(inherited_fd), os.lstat(path)
+        if (held.st_dev, held.st_ino) != (here.st_dev, here.st_ino):
+            raise StoreError(f"{path}: descriptor {inherited_fd} is not this store's lock file")
+        fd = inherited_fd
+    else:
+        fd = open_own(path, os.O_RDWR | os.O_CREAT, "store lock file", mode)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
         except BlockingIOError:
-            if time.monotonic() > deadline:
-                handle.seek(0)
-                owner = handle.read().strip() or "another process"
-                handle.close()
-                raise StoreError(f"{root}: being written by {owner}; stop it or write to another directory") from None
+            if time.monotonic() >= deadline:
+                owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise StoreError(
+                    f"{root}: the store is in use, being written by {owner}; stop it or write to another directory"
+                ) from None
             time.sleep(0.1)
-            continue
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}\n")
-        handle.flush()
-        return handle
+    if inherited_fd is None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+    return StoreLock(fd)

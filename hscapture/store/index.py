@@ -1,24 +1,27 @@
 """Appending to ``index.jsonl`` on a thread of its own, one fsync per group of lines.
 
-The writer hands over groups of lines in the order they must appear. A group of ``shard`` lines
-is fsync'd before anything after it is written, so a line naming a shard never reaches the disk
-before that shard's own line; other groups that are waiting are written together and fsync'd
-once. The consumer's loop therefore never waits for an fsync, and a burst of finished requests
-costs one fsync, not one each.
+Every line carries its own CRC-32 (``line_crc32``, FORMAT.md), so a changed byte anywhere in the
+index is caught by the readers. The writer hands over groups of lines in the order they must
+appear. A group of ``shard`` lines is fsync'd before anything after it is written, so a line
+naming a shard never reaches the disk before that shard's own line; other groups that are
+waiting are written together and fsync'd once. The consumer's loop therefore never waits for an
+fsync, and a burst of finished requests costs one fsync, not one each.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from hscapture.errors import StoreError
+from hscapture.ownership import open_own
+from hscapture.store.files import PRIVATE_FILE_MODE, write_atomic
+from hscapture.store.format import encode_line
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +35,16 @@ class IndexLog:
     """Appends groups of index lines to ``path`` in order, on the ``hscapture-index`` thread.
 
     Args:
-        path: the store's ``index.jsonl`` (created if absent; a torn last line must be cut before).
+        path: the store's ``index.jsonl`` (created with ``mode`` if absent; a torn last line must be cut before).
+        mode: of the file, if it is created.
+
+    Raises:
+        AccessError: the index is a link, not a regular file, or another user's.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mode: int = PRIVATE_FILE_MODE) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._fd = open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "store index", mode)
         self._queue: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()
         self._done = threading.Condition()
         self._queued = 0
@@ -62,7 +69,7 @@ class IndexLog:
         self.check()
         if not records:
             return
-        data = b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records)
+        data = b"".join(encode_line(r) for r in records)
         with self._done:
             self._queued += 1
         self._queue.put((data, barrier, on_durable))
@@ -122,3 +129,11 @@ class IndexLog:
         with self._done:
             self._written += len(groups)
             self._done.notify_all()
+
+
+def rewrite_index(path: Path, records: Iterable[dict[str, Any]], mode: int) -> None:
+    """Replace the index at ``path`` with ``records``, each line with its checksum, atomically.
+
+    Only for a store whose lock is held: upgrading a version-1 store, or ``hscapture verify --repair``.
+    """
+    write_atomic(path, b"".join(encode_line(r) for r in records), mode)

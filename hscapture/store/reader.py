@@ -1,26 +1,36 @@
 """Reading a store: ``open_store(path)`` then ``keys()``, ``get(key)``, ``metadata()``.
 
-Shards are memory-mapped through safetensors, and ``get`` slices only the rows of the asked
-request, so reading one sample never loads a whole shard. A ``Store`` can be pickled and used
-after a fork (DataLoader workers): each process maps the shards itself, on first use.
+Shards are memory-mapped, and ``get`` copies out only the rows of the asked request, so reading one
+sample never loads a whole shard. No reader returns bytes that differ from what was captured: every
+row ``get`` returns is checked against the CRC-32 written with it (a version-2 shard's
+``row_crc32``), the small per-row tensors of a shard (positions, token ids, owners, scales, the row
+table) against their index line once per process, and the rows a span names must belong to the
+request asking. A version-1 shard has only whole-tensor checksums: each tensor is checked whole the
+first time a process reads it. Anything wrong is one :class:`StoreError` naming the shard and the
+request. A ``Store`` can be pickled and used after a fork (DataLoader workers): each process maps
+the shards itself, on first use.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from safetensors import safe_open
 
 from hscapture.config import DTYPES
 from hscapture.errors import StoreError
 from hscapture.fp8 import FP8, FP8_NAME, dequantize_rows, scale_name
-from hscapture.store.format import META_FILE, read_index, shard_name
+from hscapture.store.checksum import row_crcs
+from hscapture.store.format import META_FILE, ROW_CRC, read_index, read_meta, shard_name
+from hscapture.store.shardfile import ShardFile
+
+log = logging.getLogger(__name__)
 
 ROW_FIELDS = ("positions", "token_ids")
 
@@ -28,27 +38,37 @@ ROW_FIELDS = ("positions", "token_ids")
 class Store:
     """A read-only view of a store directory.
 
-    Each request id appears once; when an id was written twice (an extraction resumed after a
-    crash that left it incomplete), the later line wins.
+    Each request id appears once. When an id is on several lines (an extraction resumed after a
+    crash that left it incomplete), its first ``complete`` line wins, or, without one, its last line.
+
+    Args:
+        root: the store directory.
+        max_open_shards: shard mappings kept open.
+        verify: check every row returned against its checksum (the default); False skips the CRC-32s
+            (a span's rows must still belong to its request).
+
+    Raises:
+        StoreError: not a store, or a damaged ``meta.json`` or index line (named, with the fix).
     """
 
-    def __init__(self, root: str | Path, max_open_shards: int = 64) -> None:
+    def __init__(self, root: str | Path, max_open_shards: int = 64, verify: bool = True) -> None:
         self.root = Path(root)
-        meta_path = self.root / META_FILE
-        if not meta_path.exists():
+        meta = read_meta(self.root)
+        if meta is None:
             raise StoreError(f"{self.root}: no {META_FILE}; not an hscapture store (or nothing was captured yet)")
-        self._meta: dict[str, Any] = json.loads(meta_path.read_text())
+        self._meta: dict[str, Any] = meta
         self._runs: list[dict[str, Any]] = []
         open_runs: dict[str, dict[str, Any]] = {}  # a run line pairs with the next run_end of its run
         self._shards: dict[int, dict[str, Any]] = {}
         self._requests: dict[str, dict[str, Any]] = {}
-        for record in read_index(self.root):
-            kind = record.get("type")
+        #: Request ids listed complete more than once (a store must not; ``hscapture verify`` fails on them).
+        self.duplicates: dict[str, int] = {}
+        for record in read_index(self.root, meta["version"]):
+            kind = record["type"]
             if kind == "shard":
                 self._shards[record["id"]] = record
             elif kind == "request":
-                self._requests.pop(record["id"], None)
-                self._requests[record["id"]] = record
+                self._add_request(record)
             elif kind == "run":
                 record = {**record, "end": None}
                 self._runs.append(record)
@@ -57,19 +77,35 @@ class Store:
                 session = open_runs.pop(record["run_id"], None)
                 if session is not None:
                     session["end"] = record
+        if self.duplicates:
+            shown = ", ".join(f"{k!r} ({n + 1} lines)" for k, n in list(self.duplicates.items())[:5])
+            log.warning(
+                "%s: %d request ids are listed complete more than once: %s; serving the first complete line of each "
+                "(hscapture verify reports them)",
+                self.root, len(self.duplicates), shown,
+            )  # fmt: skip
         self.tensor_names: list[str] = [t["name"] for t in self._meta["tensors"]]
         #: The captured dtype: what ``get`` returns.
         self.dtype: torch.dtype = DTYPES[self._meta["dtype"]]
         #: How rows are stored: the captured dtype's name or ``float8_e4m3fn`` (fp8 with per-row scales).
         self.store_dtype: str = self._meta.get("store_dtype", self._meta["dtype"])
-        if self.store_dtype not in (self._meta["dtype"], FP8_NAME):
-            raise StoreError(f"{meta_path}: rows stored as {self.store_dtype!r}; this hscapture reads {FP8_NAME!r}")
+        self.verify = verify
         self._max_open = max_open_shards
+        self._unverifiable_said = False
         self._forget_shards()
+
+    def _add_request(self, record: dict[str, Any]) -> None:
+        held = self._requests.get(record["id"])
+        if held is not None and held["status"] == "complete":
+            if record["status"] == "complete":
+                self.duplicates[record["id"]] = self.duplicates.get(record["id"], 0) + 1
+            return
+        self._requests.pop(record["id"], None)  # the later line, in its place
+        self._requests[record["id"]] = record
 
     def _forget_shards(self) -> None:
         """Drop every shard mapping; this process maps shards anew as it needs them."""
-        self._open: OrderedDict[int, Any] = OrderedDict()
+        self._open: OrderedDict[int, ShardFile] = OrderedDict()
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -132,7 +168,7 @@ class Store:
     # ------------------------------------------------------------------ data
 
     def get(self, key: str, tensors: list[str] | None = None, dequantize: bool = True) -> dict[str, torch.Tensor]:
-        """One request's rows, sorted by position.
+        """One request's rows, sorted by position, each checked against its checksum.
 
         Args:
             key: the request id.
@@ -148,7 +184,8 @@ class Store:
             ``[n]``, where a row is ``codes.float() * scale[:, None]``.
 
         Raises:
-            KeyError: no such request. StoreError: a shard it needs is missing.
+            KeyError: no such request. StoreError: a shard it needs is missing or damaged, or its
+                index line names rows that are not its own (the message names the shard and the request).
         """
         record = self.record(key)
         names = self.tensor_names if tensors is None else tensors
@@ -156,12 +193,15 @@ class Store:
         if unknown:
             raise KeyError(f"tensors {unknown} are not in this store; it holds {self.tensor_names}")
         scales = [scale_name(name) for name in names] if self.quantized else []
-        parts: dict[str, list[torch.Tensor]] = {name: [] for name in (*ROW_FIELDS, *names, *scales)}
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in (*ROW_FIELDS, *names, *scales)}
         for shard_id, start, count in record["spans"]:
-            handle = self._shard(shard_id)
-            for name, pieces in parts.items():
-                pieces.append(handle.get_slice(name)[start : start + count])
-        out = {name: torch.cat(pieces) if pieces else self._empty(name) for name, pieces in parts.items()}
+            shard = self._shard(shard_id)
+            self._check_owner(shard, key, start, count)
+            for name in (*ROW_FIELDS, *scales):
+                parts[name].append(self._small(shard, name)[start : start + count].copy())
+            for name in names:
+                parts[name].append(self._rows(shard, key, name, start, count))
+        out = {name: self._tensor(name, pieces) for name, pieces in parts.items()}
         positions = out["positions"]
         if not bool((positions[1:] >= positions[:-1]).all()):  # rows arrive in order unless a step was split
             order = torch.argsort(positions, stable=True)
@@ -177,6 +217,73 @@ class Store:
         sample.update(out)
         return sample
 
+    def _tensor(self, name: str, pieces: list[np.ndarray]) -> torch.Tensor:
+        """The pieces of one field, as returned: per-row fields and scales as they are, rows viewed in their dtype."""
+        if not pieces:
+            return self._empty(name)
+        joined = torch.from_numpy(np.concatenate(pieces))
+        if name in self.tensor_names:
+            return joined.view(FP8 if self.quantized else self.dtype)
+        return joined
+
+    def _check_owner(self, shard: ShardFile, key: str, start: int, count: int) -> None:
+        """The rows a span names must be in the shard and belong to ``key``: a damaged span serves another's rows."""
+        local = shard.local_index(key)
+        owners = self._small(shard, "request_index")[start : start + count]
+        if start + count > shard.rows or local is None or bool((owners != local).any()):
+            held = sorted({shard.request_ids[i] for i in owners.tolist() if 0 <= i < len(shard.request_ids)})
+            raise StoreError(
+                f"{shard.path}: request {key!r}: its index line names rows {start}..{start + count - 1} of this shard "
+                f"({shard.rows} rows), which hold {held[:3] or 'no rows'}, not its own: the index line is damaged; "
+                f"hscapture verify {self.root} checks every line"
+            )
+
+    def _small(self, shard: ShardFile, name: str) -> np.ndarray:
+        """A per-row field, scale or row table of a shard, checked whole against its index line once per process."""
+        if self.verify and name not in shard.checked:
+            self._check_whole(shard, name)
+        return shard.array(name)
+
+    def _rows(self, shard: ShardFile, key: str, name: str, start: int, count: int) -> np.ndarray:
+        """``[count, row_bytes]`` uint8 copy of a captured tensor's rows, each checked against its CRC-32."""
+        rows = shard.data(name)[start : start + count].copy()
+        if not self.verify:
+            return rows
+        if ROW_CRC not in shard.header.tensors:  # version 1: whole tensors only, each checked on first touch
+            if name not in shard.checked:
+                self._check_whole(shard, name)
+            return rows
+        want = self._small(shard, ROW_CRC)[start : start + count, self.tensor_names.index(name)]
+        got = row_crcs(rows)
+        bad = np.flatnonzero(got != want)
+        if len(bad):
+            row = start + int(bad[0])
+            position = int(shard.array("positions")[row])
+            raise StoreError(
+                f"{shard.path}: request {key!r}: {name} at position {position} (shard row {row}) has crc32 "
+                f"{int(got[bad[0]]):08x}, written as {int(want[bad[0]]):08x} ({len(bad)} of its {count} rows there "
+                f"differ): the shard is damaged; hscapture verify {self.root} lists what else is"
+            )
+        return rows
+
+    def _check_whole(self, shard: ShardFile, name: str) -> None:
+        want = self._shards[shard.shard_id].get("tensor_crc32", {}).get(name)
+        if want is None:
+            if not self._unverifiable_said:
+                self._unverifiable_said = True
+                log.warning(
+                    "%s: its index line has no checksum for %s (written before checksums existed): served unchecked",
+                    shard.path, name,
+                )  # fmt: skip
+        else:
+            got = f"{shard.crc(name):08x}"
+            if got != want:
+                raise StoreError(
+                    f"{shard.path}: tensor {name} has crc32 {got}, the index says {want}: the shard is damaged; "
+                    f"hscapture verify {self.root} lists the requests it holds"
+                )
+        shard.checked.add(name)
+
     def _empty(self, name: str) -> torch.Tensor:
         if name in ROW_FIELDS:
             return torch.empty(0, dtype=torch.int64)
@@ -184,23 +291,21 @@ class Store:
             return torch.empty(0, dtype=torch.float32)
         return torch.empty(0, self._meta["hidden_size"], dtype=FP8 if self.quantized else self.dtype)
 
-    def _shard(self, shard_id: int) -> Any:
+    def _shard(self, shard_id: int) -> ShardFile:
         if self._pid != os.getpid():  # forked (a DataLoader worker): never read through the parent's mappings
             self._forget_shards()
-        handle = self._open.get(shard_id)
-        if handle is not None:
+        shard = self._open.get(shard_id)
+        if shard is not None:
             self._open.move_to_end(shard_id)
-            return handle
-        if shard_id not in self._shards:
+            return shard
+        line = self._shards.get(shard_id)
+        if line is None:
             raise StoreError(f"{self.root}: shard {shard_id} is referenced but not indexed; the index is corrupt")
-        path = self.root / shard_name(shard_id)
-        if not path.exists():
-            raise StoreError(f"{path}: missing; the store was damaged after it was written")
-        handle = safe_open(str(path), framework="pt")
-        self._open[shard_id] = handle
+        shard = ShardFile(self.root / shard_name(shard_id), self._meta, line["bytes"], shard_id)
+        self._open[shard_id] = shard
         if len(self._open) > self._max_open:
             self._open.popitem(last=False)
-        return handle
+        return shard
 
     def close(self) -> None:
         self._open.clear()
@@ -212,6 +317,6 @@ class Store:
         self.close()
 
 
-def open_store(path: str | Path) -> Store:
-    """Open a store directory for reading."""
-    return Store(path)
+def open_store(path: str | Path, verify: bool = True) -> Store:
+    """Open a store directory for reading; ``verify=False`` skips the checksums of the rows returned."""
+    return Store(path, verify=verify)

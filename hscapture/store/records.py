@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+#: Why a second complete capture of an id is recorded incomplete.
+DUPLICATE = "duplicate: this request id is already stored complete in this store (readers serve that one)"
+
 
 @dataclass(frozen=True)
 class Finish:
@@ -152,3 +155,14 @@ def _complement(merged: list[list[int]], upper: int) -> list[list[int]]:
     if cursor < upper:
         gaps.append([cursor, upper])
     return [g for g in gaps if g[1] > g[0]]
+
+
+def once(line: dict[str, Any], complete: set[str]) -> dict[str, Any]:
+    """A request line as it may be listed: a store never lists a key complete twice, so a second complete
+    capture of an id in ``complete`` (the ids listed complete so far, updated) is recorded incomplete."""
+    if line["status"] != "complete":
+        return line
+    if line["id"] in complete:
+        return {**line, "status": "incomplete", "reason": DUPLICATE}
+    complete.add(line["id"])
+    return line

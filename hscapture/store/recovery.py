@@ -1,36 +1,41 @@
 """Closing runs whose consumer died: no request with durable rows goes unrecorded.
 
 A consumer killed mid-run leaves durable shards whose requests never got an index line (their
-lines wait for the request to finish). The next writer of the store finds every run without a
-``run_end`` line, reads the request table of each of that run's shards (the small
-``request_index`` and ``positions`` tensors only), and records each unrecorded request as
-incomplete, with its spans and the positions it lacks, before writing anything new.
+lines wait for the request to finish), and possibly shards it renamed into place but never listed
+(killed between the rename and the index append). The next writer of the store finds every run
+without a ``run_end`` line, lists that run's unlisted shards from their own bytes (once their rows
+match the row checksums written inside them), reads the request table of each of the run's shards
+(the small ``request_index`` and ``positions`` tensors only), and records each unrecorded request
+as incomplete, with its spans and the positions it lacks, before writing anything new.
+``hscapture verify --repair`` rebuilds a damaged index with the same pieces.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 
-from hscapture.store.format import shard_name
+from hscapture.errors import StoreError
+from hscapture.store.checksum import row_crcs
+from hscapture.store.format import ROW_CRC, shard_files
 from hscapture.store.records import Request, request_record
+from hscapture.store.shardfile import ShardFile
 
 log = logging.getLogger(__name__)
 
 REASON = "consumer died before the request was recorded"
 
 
-def recover_open_runs(root: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def recover_open_runs(root: Path, records: list[dict[str, Any]], meta: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Index lines that close every run left open by a dead consumer (empty when none is).
 
     Args:
         root: the store directory.
         records: its index lines, as :func:`hscapture.store.format.read_index` returns them.
+        meta: its ``meta.json`` (None: no run ever began, so none is open).
     """
     # One writer at a time appends to the index, so a session is the stretch of lines from its
     # "run" line to its "run_end"; the same run can have several sessions (a consumer re-attached).
@@ -40,38 +45,76 @@ def recover_open_runs(root: Path, records: list[dict[str, Any]]) -> list[dict[st
             opened[record["run_id"]] = position
         elif record["type"] == "run_end":
             opened.pop(record["run_id"], None)
+    if not opened or meta is None:
+        return []
     found: dict[tuple[str, str], Request] = {}
+    recorded: dict[str, set[str]] = {}
     for run_id, start in opened.items():
         session = records[start + 1 :]
-        recorded = {r["id"] for r in session if r["type"] == "request"}
-        for shard in (r for r in session if r["type"] == "shard"):
-            _collect(root, shard["id"], run_id, recorded, found)
-    lines = [request_record(request_id, request) for (_, request_id), request in found.items()]
+        recorded[run_id] = {r["id"] for r in session if r["type"] == "request"}
+        for line in (r for r in session if r["type"] == "shard"):
+            shard = open_shard(root / line["file"], meta, line["bytes"], line["id"])
+            if shard is not None and shard.run_id == run_id:
+                collect_requests(shard, recorded[run_id], found, REASON)
+    listed = {r["id"] for r in records if r["type"] == "shard"}
+    adopted = []
+    for shard_id, path in sorted(shard_files(root).items()):
+        shard = None if shard_id in listed else open_shard(path, meta, shard_id=shard_id)
+        if shard is None or shard.run_id not in opened:
+            continue
+        line = shard_line(shard)
+        if line is not None:
+            adopted.append(line)
+            collect_requests(shard, recorded[shard.run_id], found, REASON)
+    lines = adopted + [request_record(request_id, request) for (_, request_id), request in found.items()]
     lines += [{"type": "run_end", "run_id": run, "reason": "consumer died", "counters": {}} for run in opened]
-    if found:
-        log.warning("recovered %d requests of %d run(s) left open by a dead consumer", len(found), len(opened))
+    if found or adopted:
+        log.warning(
+            "recovered %d requests and %d unlisted shards of %d run(s) left open by a dead consumer",
+            len(found), len(adopted), len(opened),
+        )  # fmt: skip
     return lines
 
 
-def _collect(root: Path, shard_id: int, run_id: str, recorded: set[str], found: dict[tuple[str, str], Request]) -> None:
-    """Add the rows of one shard to every request of ``run_id`` that has no index line."""
-    path = root / shard_name(shard_id)
+def open_shard(path: Path, meta: dict[str, Any], size: int | None = None, shard_id: int = -1) -> ShardFile | None:
+    """The shard at ``path``, or None (logged) when it cannot be read."""
     try:
-        with safe_open(str(path), framework="np") as handle:
-            meta = handle.metadata() or {}
-            if meta.get("run_id") != run_id:
-                return
-            owners = handle.get_tensor("request_index")
-            positions = handle.get_tensor("positions")
-            request_ids = json.loads(meta["request_ids"])
-    except (OSError, KeyError, ValueError) as exc:
-        log.warning("%s: unreadable while recovering a dead consumer's run (%s); skipped", path, exc)
-        return
-    for local, request_id in enumerate(request_ids):
+        return ShardFile(path, meta, size, shard_id)
+    except StoreError as exc:
+        log.warning("%s; skipped", exc)
+        return None
+
+
+def shard_line(shard: ShardFile) -> dict[str, Any] | None:
+    """The index line of a shard found on disk but not listed, from its own bytes; None (logged) when its
+    rows differ from the row checksums written inside it (a damaged shard is never listed as good)."""
+    if ROW_CRC in shard.header.tensors:
+        table = shard.array(ROW_CRC)
+        for column, name in enumerate(shard.names):
+            if not np.array_equal(row_crcs(shard.data(name)), table[:, column]):
+                log.warning("%s: rows of %s differ from its row checksums; left unlisted", shard.path, name)
+                return None
+    whole, tensors = shard.crcs()
+    return {
+        "type": "shard",
+        "id": shard.shard_id,
+        "file": shard.path.name,
+        "rows": shard.rows,
+        "bytes": shard.size,
+        "crc32": f"{whole:08x}",
+        "tensor_crc32": {name: f"{crc:08x}" for name, crc in tensors.items()},
+    }
+
+
+def collect_requests(shard: ShardFile, recorded: set[str], found: dict[tuple[str, str], Request], reason: str) -> None:
+    """Add the rows of one shard to every request of its run that is not in ``recorded``, in row order."""
+    owners = shard.array("request_index")
+    positions = shard.array("positions")
+    for local, request_id in enumerate(shard.request_ids):
         if request_id in recorded:
             continue
-        request = found.setdefault((run_id, request_id), Request(run_id, end_reason=REASON))
+        request = found.setdefault((shard.run_id, request_id), Request(shard.run_id, end_reason=reason))
         rows = np.flatnonzero(owners == local)
         for block in np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1):
             if block.size:
-                request.add(shard_id, int(block[0]), positions[block])
+                request.add(shard.shard_id, int(block[0]), positions[block])

@@ -4,13 +4,15 @@ A shard buffer holds ``capacity`` rows: one ``[capacity, hidden * itemsize]`` by
 captured tensor (pinned memory when the consumer drains a CUDA ring) and the rows' positions,
 token ids and request indices. :func:`write_shard` writes the safetensors header, then every
 tensor from the buffer in blocks of :data:`BLOCK_BYTES`, each block checksummed just before it
-is written (so it is read from the cache, not twice from memory). Nothing builds the file in
-memory. Every :data:`WRITEBACK_BYTES` written, the kernel is asked to start writing them to the
+is written (so it is read from the cache, not twice from memory): the captured tensors row by row
+(the ``row_crc32`` table a reader checks the rows it serves against; each tensor's CRC follows from
+its rows'), the rest whole. Nothing builds the file in memory. Every :data:`WRITEBACK_BYTES` written, the kernel is asked to start writing them to the
 disk, so the disk works while the rest of the shard is written and the closing fsync waits for
 the tail only (left to itself, the kernel would write nothing until that fsync).
 
 In an fp8 store rows arrive either as captured (each block is quantized into a scratch first;
-the scales, known only when their tensor is done, are written at their place afterwards) or
+the scales and the row table, known only when their tensors are done, are written at their place
+afterwards) or
 already quantized (the consumer of a GPU ring quantizes on the GPU): then a buffer plane holds
 ``[capacity, hidden]`` codes, and the buffer each row's scale and count of non-finite values,
 and the shard is written as it stands.
@@ -31,9 +33,18 @@ import numpy as np
 import torch
 
 from hscapture.fp8 import FP8, Quantizer, scale_name
-from hscapture.store.checksum import combine
-from hscapture.store.files import create_file, fsync_dir
-from hscapture.store.format import ITEM_BYTES, SHARD_FORMAT, STORE_VERSION, shard_header, shard_name
+from hscapture.ownership import create_private, temp_sibling
+from hscapture.store.checksum import combine, combine_rows, row_crcs
+from hscapture.store.files import PRIVATE_FILE_MODE, fsync_dir
+from hscapture.store.format import (
+    ITEM_BYTES,
+    ROW_CRC,
+    ROW_FIELDS,
+    SHARD_FORMAT,
+    STORE_VERSION,
+    shard_header,
+    shard_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +59,6 @@ DTYPE_CODES = {
     torch.float32: "F32",
     FP8: "F8_E4M3",
 }
-ROW_FIELDS = {"positions": "I64", "token_ids": "I64", "request_index": "I32"}
 
 
 @dataclass
@@ -112,8 +122,9 @@ class ShardSpec:
     writeback_bytes: int = WRITEBACK_BYTES
 
 
-def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer) -> dict[str, Any]:
-    """Write a shard to a temp file, fsync it, rename it, fsync the directory; returns its index line.
+def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer, mode: int = PRIVATE_FILE_MODE) -> dict[str, Any]:
+    """Write a shard to a temp file (created with ``mode``), fsync it, rename it, fsync the directory;
+    returns its index line.
 
     Raises:
         OSError: the write failed (the temp file is removed, nothing is renamed).
@@ -128,6 +139,7 @@ def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer) -> dict[str, A
     tensors = [(name, code, (n,)) for name, code in ROW_FIELDS.items()]
     tensors += [(name, stored, (n, spec.hidden_size)) for name in spec.names]
     tensors += [(scale_name(name), "F32", (n,)) for name in spec.names] if spec.fp8 else []
+    tensors.append((ROW_CRC, "U32", (n, len(spec.names))))
     metadata = {
         "format": SHARD_FORMAT,
         "version": str(STORE_VERSION),
@@ -141,25 +153,31 @@ def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer) -> dict[str, A
     for name, _, _ in layout:
         offsets[name], at = at, at + sizes[name]
     path = root / shard_name(spec.shard_id)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = create_file(tmp)
+    tmp = temp_sibling(path)
+    fd = create_private(tmp, os.O_WRONLY, mode)
     try:
         out = _Output(fd, spec.writeback_bytes)
         crcs = {"": out.write(0, _bytes(head))}
         planes = dict(zip(spec.names, buffer.planes))
+        table = np.empty((n, len(spec.names)), dtype=np.uint32)
         counts: dict[str, int] = {}
         if buffer.quantized:  # codes, scales and counts as they arrived
             fields |= {scale_name(name): scales[:n] for name, scales in zip(spec.names, buffer.scales)}
             counts = {name: int(count[:n].sum()) for name, count in zip(spec.names, buffer.nonfinite)}
-        for name, _, _ in layout:  # in file order, but for the fp8 scales of rows quantized here: with their codes
-            if name in fields:
+        # In file order, but the scales of rows quantized here come with their codes, the row table last.
+        for name, _, _ in layout:
+            if name in planes:
+                column = spec.names.index(name)
+                if buffer.quantized or not spec.fp8:
+                    table[:, column] = out.write_rows(offsets[name], planes[name][:n])
+                else:
+                    rows = torch.from_numpy(planes[name][:n]).view(spec.dtype)
+                    table[:, column], scales, counts[name] = _write_fp8(out, offsets[name], rows)
+                    crcs[scale_name(name)] = out.write(offsets[scale_name(name)], _bytes(scales))
+                crcs[name] = combine_rows(table[:, column], sizes[name] // max(n, 1))
+            elif name in fields:
                 crcs[name] = out.write(offsets[name], _bytes(fields[name]))
-            elif name in planes and (buffer.quantized or not spec.fp8):
-                crcs[name] = out.write(offsets[name], _bytes(planes[name][:n]))
-            elif name in planes:
-                rows = torch.from_numpy(planes[name][:n]).view(spec.dtype)
-                crcs[name], scales, counts[name] = _write_fp8(out, offsets[name], rows)
-                crcs[scale_name(name)] = out.write(offsets[scale_name(name)], _bytes(scales))
+        crcs[ROW_CRC] = out.write(offsets[ROW_CRC], _bytes(table.reshape(-1)))
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -199,21 +217,33 @@ class _Output:
         self._unflushed = 0
         self._low, self._high = 0, 0
 
-    def write(self, offset: int, data: memoryview, crc: int = 0) -> int:
-        """Write ``data`` at ``offset`` in blocks, each checksummed just before it goes; returns the CRC-32.
-
-        The CRC continues from ``crc`` (a tensor written in several calls).
-        """
+    def write(self, offset: int, data: memoryview) -> int:
+        """Write ``data`` at ``offset`` in blocks, each checksummed just before it goes; returns the CRC-32."""
+        crc = 0
         for begin in range(0, len(data), BLOCK_BYTES):
             block = data[begin : begin + BLOCK_BYTES]
             crc = zlib.crc32(block, crc)
-            at = offset + begin
-            done = 0
-            while done < len(block):
-                done += os.pwrite(self.fd, block[done:], at + done)
-            if self.writeback_bytes:
-                self._written(at, at + len(block))
+            self._put(offset + begin, block)
         return crc
+
+    def write_rows(self, offset: int, rows: np.ndarray) -> np.ndarray:
+        """Write ``[n, row_bytes]`` uint8 rows at ``offset`` in blocks, each row checksummed just before its
+        block goes; returns the ``[n]`` uint32 CRC-32 of each row."""
+        n, width = rows.shape
+        step = max(1, BLOCK_BYTES // max(width, 1))
+        crcs = np.empty(n, dtype=np.uint32)
+        for begin in range(0, n, step):
+            block = np.ascontiguousarray(rows[begin : begin + step])
+            crcs[begin : begin + len(block)] = row_crcs(block)
+            self._put(offset + begin * width, _bytes(block.reshape(-1)))
+        return crcs
+
+    def _put(self, offset: int, block: memoryview) -> None:
+        done = 0
+        while done < len(block):
+            done += os.pwrite(self.fd, block[done:], offset + done)
+        if self.writeback_bytes:
+            self._written(offset, offset + len(block))
 
     def _written(self, begin: int, end: int) -> None:
         """Once enough is written, have the kernel start writing it to the disk and return (on Linux,
@@ -226,18 +256,20 @@ class _Output:
             self._unflushed = 0
 
 
-def _write_fp8(out: _Output, offset: int, rows: torch.Tensor) -> tuple[int, np.ndarray, int]:
+def _write_fp8(out: _Output, offset: int, rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
     """Quantize ``[n, hidden]`` rows block by block, writing the codes at ``offset``.
 
-    Returns the codes' CRC-32, the ``[n]`` float32 scales and the count of non-finite values.
+    Returns the ``[n]`` CRC-32 of each row of codes, the ``[n]`` float32 scales, and the count of
+    non-finite values.
     """
     n, hidden = rows.shape
     step = max(1, BLOCK_BYTES // (hidden * 4))  # rows per block, by the size of the float32 scratch
     quantize = Quantizer(hidden, min(step, max(n, 1)))
     scales = np.empty(n, dtype=np.float32)
-    crc, nonfinite = 0, 0
+    crcs = np.empty(n, dtype=np.uint32)
+    nonfinite = 0
     for begin in range(0, n, step):
         codes, count = quantize(rows[begin : begin + step], torch.from_numpy(scales[begin : begin + step]))
         nonfinite += count
-        crc = out.write(offset + begin * hidden, _bytes(codes.view(torch.uint8).numpy()), crc)
-    return crc, scales, nonfinite
+        crcs[begin : begin + len(codes)] = out.write_rows(offset + begin * hidden, codes.view(torch.uint8).numpy())
+    return crcs, scales, nonfinite

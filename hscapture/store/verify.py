@@ -1,10 +1,15 @@
-"""Integrity check of a store: every listed shard against the checksums in its index line.
+"""Integrity check of a store: ``meta.json``, every index line, every shard against its checksums.
 
 ``verify_store(path)`` trusts nothing but the bytes: it reads ``index.jsonl`` itself (not through
-the reader), parses each shard's safetensors header by hand, and streams the file in 8 MiB blocks,
-computing the CRC-32 of every tensor's data (located by the header's offsets) and of the whole
-file in one pass. A shard line carries ``crc32`` (whole file) and ``tensor_crc32`` (per tensor), so
-a flipped byte is pinned to a tensor, or to the header when every tensor still matches. See FORMAT.md.
+the reader), checks every line (its ``line_crc32`` in a version-2 store, and its fields), parses
+each shard's safetensors header by hand, and streams the file in 8 MiB blocks, computing the CRC-32
+of every tensor's data (located by the header's offsets) and of the whole file in one pass. A shard
+line carries ``crc32`` (whole file) and ``tensor_crc32`` (per tensor), so a flipped byte is pinned
+to a tensor, or to the header when every tensor still matches. While a shard is open, the rows each
+request's spans name must hold that request (``request_index``), so a damaged span is caught even
+in a version-1 store, whose lines carry no checksum. Shard files on disk that no line lists, and
+requests whose rows a listed shard holds but that no line records, are lost index lines (unless a
+writer is at work on the store); a request id listed complete twice is a fault too. See FORMAT.md.
 
 Integrity is per shard and per tensor within it, not per chunk: the writer packs the rows of many
 chunks and requests into one shard. A request's ``spans`` name the shards holding its rows, which
@@ -14,9 +19,10 @@ is how a bad shard maps to the requests it damages.
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import errno
+import fcntl
 import json
-import math
+import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,35 +30,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hscapture.errors import StoreError
 from hscapture.store.checksum import crc32_combine
-from hscapture.store.format import INDEX_FILE, ITEM_BYTES, META_FILE, STORE_FORMAT, STORE_VERSION
+from hscapture.store.format import (
+    INDEX_FILE,
+    LOCK_FILE,
+    META_FILE,
+    READ_VERSIONS,
+    SHARD_FILE,
+    STORE_FORMAT,
+    ShardHeader,
+    meta_problem,
+    parse_shard_header,
+    scan_index,
+    shard_files,
+)
 
 BLOCK_BYTES = 8 << 20
-MAX_HEADER_BYTES = 100 << 20  # safetensors refuses larger headers too
 
-
-@dataclass
-class ShardCheck:
-    """The verdict on one shard listed in the index.
-
-    ``status`` is ``ok``, ``corrupted``, ``missing`` or ``unverifiable`` (listed without checksums,
-    i.e. written before they existed; its header and size were still checked). ``tensors`` names
-    the tensors whose bytes do not match their checksum; ``problems`` says what is wrong, one
-    phrase each; ``requests`` are the ids whose spans touch this shard (filled when it is bad).
-    """
-
-    id: int
-    file: str
-    status: str
-    tensors: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    requests: list[str] = field(default_factory=list)
+#: A request's span: (request id, its index line, first row, rows).
+_Span = tuple[str, int, int, int]
 
 
 @dataclass
 class IndexProblem:
-    """An index line that is not JSON or not a valid record, or a request naming an unlisted shard."""
+    """An index line that is not JSON, not a valid record or fails its checksum; a request naming an
+    unlisted shard, or rows that are not its own; a request id listed complete twice."""
 
     line: int
     problem: str
@@ -61,30 +66,71 @@ class IndexProblem:
 
 
 @dataclass
-class VerifyReport:
-    """What ``verify_store`` found. ``ok`` is true when nothing is corrupted, missing or dangling.
+class ShardCheck:
+    """The verdict on one shard listed in the index, or found on disk unlisted.
 
-    Unverifiable shards, unlisted shard files (``ignored``: readers ignore them too) and a torn
-    index tail (a crash mid-append; readers skip it) are reported but are not failures.
+    ``status`` is ``ok``, ``corrupted``, ``missing``, ``unverifiable`` (listed without checksums,
+    i.e. written before they existed; its header and size were still checked) or ``lost`` (on disk,
+    listed by no line). ``tensors`` names the tensors whose bytes do not match their checksum;
+    ``problems`` says what is wrong, one phrase each; ``requests`` are the ids whose spans touch this
+    shard (filled when it is bad; for a lost shard, the ids its header holds); ``misplaced`` the
+    spans naming rows of it that hold another request.
+    """
+
+    id: int
+    file: str
+    status: str
+    tensors: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    requests: list[str] = field(default_factory=list)
+    misplaced: list[IndexProblem] = field(default_factory=list)
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify_store`` found. ``ok`` is true when nothing is corrupted, missing, lost or dangling.
+
+    Unverifiable shards, stray files named like shards (``ignored``), shards a live writer is
+    writing (``writing``) and a torn index tail (a crash mid-append; readers skip it) are reported
+    but are not failures.
     """
 
     root: str
     shards: int = 0
     requests: int = 0
+    meta_problem: str = ""
     verified: list[ShardCheck] = field(default_factory=list)
     corrupted: list[ShardCheck] = field(default_factory=list)
     missing: list[ShardCheck] = field(default_factory=list)
     unverifiable: list[ShardCheck] = field(default_factory=list)
+    lost: list[ShardCheck] = field(default_factory=list)
     affected_requests: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    writing: list[str] = field(default_factory=list)
     torn_tail: bool = False
     torn_tail_bytes: int = 0
     unknown_shards: list[IndexProblem] = field(default_factory=list)
     bad_index_lines: list[IndexProblem] = field(default_factory=list)
+    misplaced: list[IndexProblem] = field(default_factory=list)
+    duplicates: list[IndexProblem] = field(default_factory=list)
+    #: Requests whose rows listed shards hold, recorded by no line (lost lines, or a dead writer's).
+    unrecorded: list[str] = field(default_factory=list)
+    #: How many such requests a live writer has still to record (not a failure).
+    pending: int = 0
 
     @property
     def ok(self) -> bool:
-        return not (self.corrupted or self.missing or self.unknown_shards or self.bad_index_lines)
+        return not (
+            self.meta_problem
+            or self.corrupted
+            or self.missing
+            or self.lost
+            or self.unrecorded
+            or self.unknown_shards
+            or self.bad_index_lines
+            or self.misplaced
+            or self.duplicates
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, **dataclasses.asdict(self)}
@@ -95,7 +141,7 @@ def verify_store(
     jobs: int = 4,
     progress: Callable[[Iterable[ShardCheck], int], Iterable[ShardCheck]] | None = None,
 ) -> VerifyReport:
-    """Check every shard the index lists; report corrupted, missing and unverifiable shards.
+    """Check ``meta.json``, every index line and every shard the index lists; find unlisted shards.
 
     Args:
         path: the store directory.
@@ -107,25 +153,28 @@ def verify_store(
             a ``meta.json`` of another format or version).
     """
     root = Path(path)
-    _check_is_store(root)
-    report = VerifyReport(root=str(root))
-    shards, requests = _read_index(root, report)
+    meta = _check_is_store(root)
+    report = VerifyReport(root=str(root), meta_problem=meta_problem(meta))
+    shards, requests = _read_index(root, report, meta["version"])
     report.shards, report.requests = len(shards), len(requests)
 
     touching: dict[int, list[str]] = {}
-    for request_id, (line, spans) in requests.items():
-        unknown = sorted({s for s in spans if s not in shards})
+    spans: dict[int, list[_Span]] = {}
+    for request_id, (line, request_spans) in requests.items():
+        unknown = sorted({s[0] for s in request_spans if s[0] not in shards})
         if unknown:
             report.unknown_shards.append(
                 IndexProblem(line, f"request names shards {unknown} that no shard line lists", request_id, unknown)
             )
-        for shard_id in dict.fromkeys(spans):
+        for shard_id, start, count in request_spans:
+            spans.setdefault(shard_id, []).append((request_id, line, start, count))
+        for shard_id in dict.fromkeys(s[0] for s in request_spans):
             touching.setdefault(shard_id, []).append(request_id)
-
-    listed = {record["file"] for record in shards.values()}
-    report.ignored = sorted(p.name for p in root.glob("shard-*") if p.name not in listed)
+    writing = _writer_alive(root)
+    _find_unlisted(root, report, set(shards), writing)
 
     records = sorted(shards.values(), key=lambda record: record["id"])
+    holds: dict[int, list[str]] = {}  # per shard, the request ids its header names
     buckets = {
         "ok": report.verified,
         "corrupted": report.corrupted,
@@ -134,30 +183,37 @@ def verify_store(
     }
     pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="hscapture-verify")
     try:
-        checks: Iterable[ShardCheck] = pool.map(lambda record: _check_shard(root, record), records)
+        checks: Iterable[ShardCheck] = pool.map(lambda r: _check_shard(root, r, spans.get(r["id"], []), holds), records)
         if progress is not None:
             checks = progress(checks, len(records))
         for check in checks:
             buckets[check.status].append(check)
+            report.misplaced.extend(check.misplaced)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # Ctrl-C: do not go on reading a TB store
 
+    unrecorded = sorted({request_id for ids in holds.values() for request_id in ids} - set(requests))
+    if writing:
+        report.pending = len(unrecorded)
+    else:
+        report.unrecorded = unrecorded
     bad = {check.id for check in report.corrupted + report.missing}
     for check in report.corrupted + report.missing:
         check.requests = touching.get(check.id, [])
-    unknown_requests = {problem.request for problem in report.unknown_shards}
+    named = {problem.request for problem in report.unknown_shards + report.misplaced + report.duplicates}
     report.affected_requests = [
         request_id
-        for request_id, (_, spans) in requests.items()
-        if request_id in unknown_requests or any(s in bad for s in spans)
-    ]
+        for request_id, (_, request_spans) in requests.items()
+        if request_id in named or any(s[0] in bad for s in request_spans)
+    ] + report.unrecorded
     return report
 
 
 # ---------------------------------------------------------------------------------------- index
 
 
-def _check_is_store(root: Path) -> None:
+def _check_is_store(root: Path) -> dict[str, Any]:
+    """``meta.json``, parsed, once it says this is a store of a version this hscapture reads."""
     if not root.is_dir():
         raise StoreError(f"{root}: not a directory, so not an hscapture store")
     for name in (INDEX_FILE, META_FILE):
@@ -170,77 +226,84 @@ def _check_is_store(root: Path) -> None:
     if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else meta
         raise StoreError(f"{root / META_FILE}: format {found!r}, not {STORE_FORMAT!r}; not an hscapture store")
-    if meta.get("version") != STORE_VERSION:
+    if meta.get("version") not in READ_VERSIONS:
         raise StoreError(
-            f"{root / META_FILE}: store version {meta.get('version')!r}; this hscapture verifies v{STORE_VERSION}"
+            f"{root / META_FILE}: store version {meta.get('version')!r}; this hscapture reads versions {READ_VERSIONS}"
         )
+    return meta
 
 
-def _read_index(root: Path, report: VerifyReport) -> tuple[dict[int, dict[str, Any]], dict[str, tuple[int, list[int]]]]:
-    """Shard lines by id, and per request id its last line's number and span shard ids."""
+def _read_index(
+    root: Path, report: VerifyReport, version: int
+) -> tuple[dict[int, dict[str, Any]], dict[str, tuple[int, list[list[int]]]]]:
+    """Shard lines by id, and per request id the line a reader serves (its first complete line, else its
+    last) with its spans; bad lines and ids listed complete twice go into the report."""
+    scan = scan_index(root, version)
+    report.torn_tail, report.torn_tail_bytes = scan.torn_bytes > 0, scan.torn_bytes
     shards: dict[int, dict[str, Any]] = {}
-    requests: dict[str, tuple[int, list[int]]] = {}
-    with (root / INDEX_FILE).open("rb") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.endswith(b"\n"):
-                report.torn_tail, report.torn_tail_bytes = True, len(line)
-                break
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                report.bad_index_lines.append(IndexProblem(number, f"not JSON ({exc})"))
+    requests: dict[str, tuple[int, list[list[int]]]] = {}
+    complete: dict[str, int] = {}
+    for line in scan.lines:
+        record = line.record
+        if record is None:
+            report.bad_index_lines.append(IndexProblem(line.number, line.problem))
+        elif record["type"] == "shard":
+            shards[record["id"]] = record
+        elif record["type"] == "request":
+            request_id = record["id"]
+            if request_id in complete:
+                if record["status"] == "complete":
+                    problem = f"request listed complete again (first on line {complete[request_id]})"
+                    report.duplicates.append(IndexProblem(line.number, problem, request_id))
                 continue
-            kind = record.get("type") if isinstance(record, dict) else None
-            if kind == "shard":
-                problem = _shard_line_problem(record)
-                if problem:
-                    report.bad_index_lines.append(IndexProblem(number, problem))
-                else:
-                    shards[record["id"]] = record
-            elif kind == "request":
-                spans = record.get("spans")
-                if not isinstance(record.get("id"), str) or not _valid_spans(spans):
-                    report.bad_index_lines.append(IndexProblem(number, "request line without a string id and spans"))
-                    continue
-                requests.pop(record["id"], None)  # the last line of an id wins, in its position
-                requests[record["id"]] = (number, [span[0] for span in spans])
-            elif kind not in ("run", "run_end"):
-                report.bad_index_lines.append(IndexProblem(number, f"unknown record type {kind!r}"))
+            if record["status"] == "complete":
+                complete[request_id] = line.number
+            requests.pop(request_id, None)  # the later line, in its position
+            requests[request_id] = (line.number, record["spans"])
     return shards, requests
 
 
-def _shard_line_problem(record: dict[str, Any]) -> str:
-    file = record.get("file")
-    if not _is_int(record.get("id")) or not isinstance(file, str) or not _is_int(record.get("bytes")):
-        return "shard line without an integer id and bytes and a file name"
-    if "/" in file or "\\" in file or file in ("", ".", ".."):
-        return f"shard line names {file!r}, not a file in the store directory"
-    if "crc32" in record and not _is_crc(record["crc32"]):
-        return f"shard line's crc32 {record['crc32']!r} is not 8 hex digits"
-    tensors = record.get("tensor_crc32", {})
-    if not isinstance(tensors, dict) or not all(_is_crc(v) for v in tensors.values()):
-        return "shard line's tensor_crc32 is not a map of tensor name to 8 hex digits"
-    return ""
-
-
-def _valid_spans(spans: Any) -> bool:
-    return isinstance(spans, list) and all(
-        isinstance(s, list) and len(s) == 3 and all(_is_int(v) for v in s) for s in spans
+def _find_unlisted(root: Path, report: VerifyReport, listed: set[int], writing: bool) -> None:
+    """Shard files no line lists: lost index lines, unless a live writer is writing them right now."""
+    report.ignored = sorted(
+        name for name in os.listdir(root) if name.startswith("shard-") and not SHARD_FILE.fullmatch(name)
     )
+    newest = max(listed, default=-1)
+    for shard_id, path in sorted(shard_files(root).items()):
+        if shard_id in listed:
+            continue
+        if writing and shard_id > newest:
+            report.writing.append(path.name)
+            continue
+        check = ShardCheck(shard_id, path.name, "lost", problems=[f"on disk but listed by no line of {INDEX_FILE}"])
+        try:
+            with path.open("rb") as handle:
+                check.requests = _request_ids(_parse_header(handle, _file_size(handle)))
+        except (OSError, ValueError) as exc:
+            check.problems.append(f"header unreadable: {exc}")
+        report.lost.append(check)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_crc(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 8 and all(c in "0123456789abcdef" for c in value)
+def _writer_alive(root: Path) -> bool:
+    """Whether a writer holds the store's lock (probed with a shared lock, released at once)."""
+    try:
+        fd = os.open(root / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)
+    return False
 
 
 # ---------------------------------------------------------------------------------------- shards
 
 
-def _check_shard(root: Path, record: dict[str, Any]) -> ShardCheck:
+def _check_shard(root: Path, record: dict[str, Any], spans: list[_Span], holds: dict[int, list[str]]) -> ShardCheck:
+    """The verdict on one listed shard; the request ids its header names go into ``holds``."""
     check = ShardCheck(id=record["id"], file=record["file"], status="ok")
     path = root / record["file"]
     try:
@@ -255,7 +318,7 @@ def _check_shard(root: Path, record: dict[str, Any]) -> ShardCheck:
         return check
     with handle:
         try:
-            _check_shard_bytes(handle, record, check)
+            holds[record["id"]] = _check_shard_bytes(handle, record, check, spans)
         except OSError as exc:
             check.problems.append(f"read error: {exc.strerror or exc}")
     if check.problems:
@@ -266,21 +329,25 @@ def _check_shard(root: Path, record: dict[str, Any]) -> ShardCheck:
     return check
 
 
-def _check_shard_bytes(handle: Any, record: dict[str, Any], check: ShardCheck) -> None:
+def _check_shard_bytes(handle: Any, record: dict[str, Any], check: ShardCheck, spans: list[_Span]) -> list[str]:
+    """Check one shard's bytes into ``check``; returns the request ids its header names."""
     size = _file_size(handle)
     if size != record["bytes"]:
         check.problems.append(f"{size} bytes on disk, the index says {record['bytes']}")
     try:
-        base, tensors = _parse_header(handle, size)
+        header = _parse_header(handle, size)
     except ValueError as exc:
         check.problems.append(f"header unreadable: {exc}")
-        return
+        return []
+    table = _request_ids(header)
+    _check_spans(handle, header, table, record["id"], spans, check)
     expected: dict[str, str] = record.get("tensor_crc32", {})
     if "crc32" not in record:
-        return  # nothing to compare the bytes with
+        return table  # nothing to compare the bytes with
+    tensors = {name: (entry.begin, entry.end) for name, entry in header.tensors.items()}
     if expected and set(expected) != set(tensors):
         check.problems.append(f"header lists tensors {sorted(tensors)}, the index checksums {sorted(expected)}")
-    whole, crcs = _stream_crcs(handle, base, tensors, size)
+    whole, crcs = _stream_crcs(handle, tensors, size)
     for name, crc in crcs.items():
         want = expected.get(name)
         if want is not None and want != f"{crc:08x}":
@@ -289,6 +356,33 @@ def _check_shard_bytes(handle: Any, record: dict[str, Any], check: ShardCheck) -
     if f"{whole:08x}" != record["crc32"] and not check.tensors:
         where = "every tensor matches: the header differs" if expected else "no per-tensor checksums to narrow it"
         check.problems.append(f"file crc32 {whole:08x}, the index says {record['crc32']} ({where})")
+    return table
+
+
+def _request_ids(header: ShardHeader) -> list[str]:
+    try:
+        table = json.loads(header.metadata.get("request_ids", "[]"))
+    except ValueError:
+        return []
+    return [r for r in table if isinstance(r, str)] if isinstance(table, list) else []
+
+
+def _check_spans(
+    handle: Any, header: ShardHeader, table: list[str], shard_id: int, spans: list[_Span], check: ShardCheck
+) -> None:
+    """Each span naming rows of this shard must name rows its request owns (``request_index``)."""
+    entry = header.tensors.get("request_index")
+    if not spans or entry is None or entry.dtype != "I32":
+        return
+    handle.seek(entry.begin)
+    owners = np.frombuffer(handle.read(entry.end - entry.begin), dtype="<i4")
+    for request_id, line, start, count in spans:
+        local = table.index(request_id) if request_id in table else -1
+        rows = owners[start : start + count]
+        if start + count > len(owners) or bool((rows != local).any()):
+            held = sorted({table[i] for i in rows.tolist() if 0 <= i < len(table)})[:3]
+            problem = f"request names rows {start}..{start + count - 1} of shard {shard_id}, which hold {held}"
+            check.misplaced.append(IndexProblem(line, f"{problem}, not its own", request_id, [shard_id]))
 
 
 def _file_size(handle: Any) -> int:
@@ -298,48 +392,15 @@ def _file_size(handle: Any) -> int:
     return int(size)
 
 
-def _parse_header(handle: Any, size: int) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(start of the data region, name -> absolute [begin, end) byte range), validated."""
-    prefix = handle.read(8)
-    if len(prefix) < 8:
-        raise ValueError(f"file of {size} bytes is shorter than the 8-byte header length")
-    length = int.from_bytes(prefix, "little")
-    if length > min(size - 8, MAX_HEADER_BYTES):
-        raise ValueError(f"header length {length} does not fit a file of {size} bytes")
-    try:
-        header = json.loads(handle.read(length))
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError("not a JSON object")
-    base = 8 + length
-    tensors: dict[str, tuple[int, int]] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(entry, dict):
-            raise ValueError(f"tensor {name!r}: not an object")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
-            raise ValueError(f"tensor {name!r}: shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r}")
-        begin, end = offsets
-        if dtype not in ITEM_BYTES:
-            raise ValueError(f"tensor {name!r}: dtype {dtype!r}")
-        if not 0 <= begin <= end or end - begin != math.prod(shape) * ITEM_BYTES[dtype]:
-            raise ValueError(f"tensor {name!r}: data_offsets {offsets} do not hold {dtype} {shape}")
-        if base + end > size:
-            raise ValueError(f"tensor {name!r} ends at byte {base + end}, past the end of the {size}-byte file")
-        tensors[name] = (base + begin, base + end)
-    ranges = sorted(tensors.values())
-    for (_, end), (begin, _) in itertools.pairwise(ranges):
-        if begin < end:
-            raise ValueError("tensors overlap")
-    return base, tensors
+def _parse_header(handle: Any, size: int) -> ShardHeader:
+    def read(offset: int, count: int) -> bytes:
+        handle.seek(offset)
+        return bytes(handle.read(count))
+
+    return parse_shard_header(read, size)
 
 
-def _stream_crcs(handle: Any, base: int, tensors: dict[str, tuple[int, int]], size: int) -> tuple[int, dict[str, int]]:
+def _stream_crcs(handle: Any, tensors: dict[str, tuple[int, int]], size: int) -> tuple[int, dict[str, int]]:
     """Whole-file CRC-32 and each tensor's, reading the file once in BLOCK_BYTES blocks."""
     order = sorted(tensors, key=lambda name: tensors[name])
     crcs = dict.fromkeys(order, 0)
@@ -396,13 +457,28 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
     lines = [
         f"{report.root}: {report.shards} shards listed: {len(report.verified)} verified, "
         f"{len(report.corrupted)} corrupted, {len(report.missing)} missing, {len(report.unverifiable)} unverifiable; "
-        f"{len(report.ignored)} unlisted files ignored; {report.requests} requests, "
+        f"{len(report.lost)} unlisted (lost index lines); {len(report.bad_index_lines)} bad index lines; "
+        f"{report.requests} requests, "
         f"{len(report.affected_requests)} affected"
     ]
+    if report.meta_problem:
+        lines.append(f"bad meta.json: {META_FILE}: {report.meta_problem}")
     for check in report.corrupted + report.missing:
         affects = _affects(check.requests, show)
         lines.extend(
             f"{check.status}: {check.file} (shard {check.id}): {problem}; {affects}" for problem in check.problems
+        )
+    for check in report.lost:
+        lines.append(
+            f"lost index line: {check.file} (shard {check.id}) is {'; '.join(check.problems)} (holds "
+            f"{_listing(check.requests, show)}): its line was lost, or a writer died before listing it; "
+            f"hscapture verify --repair {report.root} lists it"
+        )
+    if report.unrecorded:
+        lines.append(
+            f"lost index lines: {_listing(report.unrecorded, show)} hold rows in listed shards but no line records "
+            f"them: their lines were lost, or a writer died before writing them; hscapture verify --repair "
+            f"{report.root} records them incomplete (so does the next writer, for a dead writer's run)"
         )
     for problem in report.unknown_shards:
         lines.append(
@@ -410,11 +486,20 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
             f"{problem.shards} that no shard line lists; its rows cannot be read"
         )
     lines.extend(f"bad index line: {INDEX_FILE} line {p.line}: {p.problem}" for p in report.bad_index_lines)
+    for kind, found in (("misplaced rows", report.misplaced), ("duplicate", report.duplicates)):
+        lines.extend(f"{kind}: {INDEX_FILE} line {p.line}: request {p.request}: {p.problem}" for p in found[:show])
+        if len(found) > show:
+            lines.append(f"... and {len(found) - show} more {kind} lines")
     notes = [f"unverifiable: {c.file} (shard {c.id}): {'; '.join(c.problems)}" for c in report.unverifiable]
-    notes += [f"ignored: {name} is not listed in {INDEX_FILE} (readers ignore it too)" for name in report.ignored]
+    notes += [f"ignored: {name} is not a shard name (readers ignore it too)" for name in report.ignored]
+    notes += [f"being written: {name} is not listed yet, and a writer holds the store" for name in report.writing]
+    if report.pending:
+        notes.append(
+            f"being written: {report.pending} requests with rows on disk are not recorded yet (a writer is at work)"
+        )
     lines.extend(notes[:show])
     if len(notes) > show:
-        lines.append(f"... and {len(notes) - show} more unverifiable or ignored files")
+        lines.append(f"... and {len(notes) - show} more unverifiable, ignored or unlisted files")
     if report.torn_tail:
         lines.append(
             f"torn tail: {INDEX_FILE} ends in a {report.torn_tail_bytes}-byte line without a newline "
@@ -425,14 +510,18 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
     else:
         lines.append(
             f"FAILED: {len(report.corrupted)} corrupted, {len(report.missing)} missing, "
+            f"{len(report.lost)} unlisted shards, {len(report.unrecorded)} unrecorded requests, "
             f"{len(report.unknown_shards)} requests naming unknown shards, "
-            f"{len(report.bad_index_lines)} bad index lines"
+            f"{len(report.misplaced)} spans naming others' rows, {len(report.duplicates)} duplicate complete lines, "
+            f"{len(report.bad_index_lines)} bad index lines{', a bad meta.json' if report.meta_problem else ''}"
         )
     return "\n".join(lines)
 
 
 def _affects(requests: list[str], show: int) -> str:
-    if not requests:
-        return "affects no request"
+    return f"affects {_listing(requests, show)}" if requests else "affects no request"
+
+
+def _listing(requests: list[str], show: int) -> str:
     more = f" and {len(requests) - show} more" if len(requests) > show else ""
-    return f"affects {len(requests)} requests: {', '.join(requests[:show])}{more}"
+    return f"{len(requests)} requests: {', '.join(requests[:show])}{more}"

@@ -21,26 +21,29 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from hscapture.config import DTYPES, default_writer_threads, store_dtype_name
 from hscapture.errors import StoreError
 from hscapture.fp8 import FP8_NAME
-from hscapture.store.files import lock_store, write_atomic
+from hscapture.ownership import open_own
+from hscapture.store.files import lock_store, prepare_store_dir, remove_stale_temps, write_atomic
 from hscapture.store.format import (
     INDEX_FILE,
     META_FILE,
+    READ_VERSIONS,
     STORE_FORMAT,
     STORE_VERSION,
     check_store_dtype,
     read_index,
     read_meta,
+    shard_files,
     shard_name,
 )
-from hscapture.store.index import KEPT, IndexLog
-from hscapture.store.records import Finish, Request, request_record
+from hscapture.store.index import KEPT, IndexLog, rewrite_index
+from hscapture.store.records import Finish, Request, once, request_record
 from hscapture.store.recovery import recover_open_runs
 from hscapture.store.shards import WRITEBACK_BYTES, ShardBuffer, ShardSpec, new_buffer, write_shard
 
@@ -151,9 +154,15 @@ class StoreWriter:
             captured, or as an existing store already does.
         writeback_bytes: bytes a writer thread writes before asking the kernel to start writing them
             to the disk (0: nothing reaches the disk before each shard's fsync).
+        share_group: let this group read the store (directory setgid 2750, files 0640); by default
+            it is private (0700, 0600), or shared as an existing store already is.
+        lock_fd: a descriptor of the store's ``.lock`` that the process which started this one holds
+            locked (``hscapture extract``): the writer works under that lock instead of taking it.
 
     Raises:
         StoreError: another process keeps writing this store, or it holds another format.
+        AccessError: the directory, its lock or its index belongs to another user, is a link, or
+            others may write into the directory.
     """
 
     def __init__(
@@ -166,13 +175,15 @@ class StoreWriter:
         lock_timeout_s: float = 30.0,
         store_dtype: str | None = None,
         writeback_bytes: int = WRITEBACK_BYTES,
+        share_group: str | None = None,
+        lock_fd: int | None = None,
     ) -> None:
         if shard_buffers is not None and shard_buffers < 2:
             raise ValueError(f"shard_buffers: {shard_buffers}; at least 2 (one filling, one being written)")
         self.root = Path(root)
         self.store_dtype = store_dtype_name(store_dtype)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._lock: IO[str] = lock_store(self.root, lock_timeout_s)
+        self.file_mode = prepare_store_dir(self.root, share_group)
+        self._lock = lock_store(self.root, lock_timeout_s, self.file_mode, lock_fd)
         try:
             check_store_dtype(self.root, self.store_dtype)
             self._meta = self._load_meta()
@@ -212,15 +223,29 @@ class StoreWriter:
         self.bytes_durable = 0
 
     def _open_existing(self) -> None:
-        """After taking the lock: repair the index, close runs a dead writer left open, open the log."""
+        """After taking the lock: remove our stale temp files, cut a torn index tail, upgrade a version-1
+        store, close runs a dead writer left open, open the log."""
+        for name in remove_stale_temps(self.root):
+            log.info("%s: removed %s, a temp file a writer left", self.root, name)
         self._repair_index()
-        records = read_index(self.root)
+        records = read_index(self.root, None if self._meta is None else self._meta["version"])
+        if self._meta is not None and self._meta["version"] < STORE_VERSION:
+            self._upgrade(records)
         self._indexed = {r["id"] for r in records if r["type"] == "shard"}
-        self._next_shard = 1 + max(self._indexed, default=-1)
-        for stale in self.root.glob("*.tmp"):
-            stale.unlink()
-        self._index = IndexLog(self.root / INDEX_FILE)
-        self._index.append(recover_open_runs(self.root, records))
+        # Past every shard on disk too: one left unlisted (its line lost) is never overwritten.
+        self._next_shard = 1 + max(self._indexed | set(shard_files(self.root)), default=-1)
+        self._complete = {r["id"] for r in records if r["type"] == "request" and r["status"] == "complete"}
+        self._index = IndexLog(self.root / INDEX_FILE, self.file_mode)
+        self._index.append(recover_open_runs(self.root, records, self._meta))
+
+    def _upgrade(self, records: list[dict[str, Any]]) -> None:
+        """Make a version-1 store version 2: every index line gets its checksum (index first: a crash
+        in between leaves checksummed lines in a version-1 store, which version-1 readers ignore)."""
+        rewrite_index(self.root / INDEX_FILE, records, self.file_mode)
+        assert self._meta is not None
+        self._meta = {**self._meta, "version": STORE_VERSION}
+        write_atomic(self.root / META_FILE, json.dumps(self._meta, indent=2).encode(), self.file_mode)
+        log.info("%s: upgraded from store version 1 to %d", self.root, STORE_VERSION)
 
     # ------------------------------------------------------------------ runs
 
@@ -256,7 +281,7 @@ class StoreWriter:
         if self._meta is None:
             stored_as = {"store_dtype": self.store_dtype} if self.store_dtype is not None else {}
             self._meta = {"format": STORE_FORMAT, "version": STORE_VERSION, **spec, **stored_as}
-            write_atomic(self.root / META_FILE, json.dumps(self._meta, indent=2).encode())
+            write_atomic(self.root / META_FILE, json.dumps(self._meta, indent=2).encode(), self.file_mode)
         else:
             stored = {k: self._meta.get(k) for k in spec}
             if stored != spec:
@@ -528,7 +553,9 @@ class StoreWriter:
             request_ids=tuple(shard.request_lookup),
             writeback_bytes=self.writeback_bytes,
         )
-        self._writing[shard.shard_id] = self._pool.submit(_write_and_free, self.root, spec, shard.buffer, self._free)
+        self._writing[shard.shard_id] = self._pool.submit(
+            _write_and_free, self.root, spec, shard.buffer, self._free, self.file_mode
+        )
         self._commit_ready()
 
     def _commit_ready(self) -> None:
@@ -560,7 +587,10 @@ class StoreWriter:
                 del self._unlisted[request_id]
                 ready.append((request_id, self._requests.pop(request_id)))
         self._ready.clear()
-        done = [request_record(request_id, request) for request_id, request in sorted(ready, key=lambda r: r[1].order)]
+        done = [
+            once(request_record(request_id, request), self._complete)
+            for request_id, request in sorted(ready, key=lambda r: r[1].order)
+        ]
         self._index.append(done)
         self.requests_written += len(done)
         if failed is not None:
@@ -573,26 +603,37 @@ class StoreWriter:
         self.bytes_durable += nbytes
 
     def _load_meta(self) -> dict[str, Any] | None:
-        meta = read_meta(self.root)
-        if meta is not None and (meta.get("format") != STORE_FORMAT or meta.get("version") != STORE_VERSION):
+        path = self.root / META_FILE
+        try:
+            found = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            found = None  # read_meta says what is wrong
+        if isinstance(found, dict) and (
+            found.get("format") != STORE_FORMAT or found.get("version") not in READ_VERSIONS
+        ):
             raise StoreError(
-                f"{self.root / META_FILE}: format {meta.get('format')!r} v{meta.get('version')}, expected "
-                f"{STORE_FORMAT!r} v{STORE_VERSION}; write to another directory"
+                f"{path}: format {found.get('format')!r} v{found.get('version')}, expected {STORE_FORMAT!r} "
+                f"v{' or v'.join(map(str, READ_VERSIONS))}; write to another directory"
             )
-        return meta
+        return read_meta(self.root)
 
     def _repair_index(self) -> None:
         """Cut a torn last line (crash mid-append) so new lines start clean."""
-        path = self.root / INDEX_FILE
-        if not path.exists():
+        try:
+            fd = open_own(self.root / INDEX_FILE, os.O_RDWR, "store index")
+        except FileNotFoundError:
             return
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            keep = data.rfind(b"\n") + 1
-            log.warning("%s: cutting a torn last line of %d bytes", path, len(data) - keep)
-            with path.open("r+b") as handle:
-                handle.truncate(keep)
-                os.fsync(handle.fileno())
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                keep = os.pread(fd, size, 0).rfind(b"\n") + 1
+                log.warning("%s: cutting a torn last line of %d bytes", self.root / INDEX_FILE, size - keep)
+                os.ftruncate(fd, keep)
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _pageable(nbytes: int) -> np.ndarray:
@@ -603,10 +644,10 @@ def _pageable(nbytes: int) -> np.ndarray:
 
 
 def _write_and_free(
-    root: Path, spec: ShardSpec, buffer: ShardBuffer, free: queue.SimpleQueue[ShardBuffer]
+    root: Path, spec: ShardSpec, buffer: ShardBuffer, free: queue.SimpleQueue[ShardBuffer], mode: int
 ) -> dict[str, Any]:
     """Runs on a writer thread: write the shard, then give its buffer back."""
     try:
-        return write_shard(root, spec, buffer)
+        return write_shard(root, spec, buffer, mode)
     finally:
         free.put(buffer)

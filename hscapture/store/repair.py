@@ -1,0 +1,153 @@
+"""``hscapture verify --repair``: rebuild a store's listing from what its shards say about themselves.
+
+Every shard carries its run id, the ids of the requests whose rows it holds, and each row's
+position and token id, so a damaged or shortened ``index.jsonl`` can be rebuilt from the shards:
+
+* lines that are not JSON, not valid records or fail their ``line_crc32`` are dropped;
+* shard files on disk that no line lists are listed from their own bytes, once their rows match the
+  row checksums written inside them; one that does not (or cannot be read) is set aside as
+  ``shard-NNNNNN.safetensors.damaged`` (a reader never serves it);
+* every request with rows in a listed shard but no line left is recorded ``incomplete`` with the
+  spans and positions its shards hold, so an extraction run again captures it anew;
+* a request id listed complete more than once keeps its first complete line, the later ones become
+  incomplete (a store never lists a key complete twice).
+
+What it cannot rebuild it leaves for ``verify`` to report: a request's finish (its loss mask and
+expected length are only in its lost line), a shard whose file is gone, damaged rows. The old index is
+kept beside the new one as ``index.jsonl.before-repair-<unix time>``. A version-1 store comes out
+version 2 (every line with its checksum). The store's lock is held throughout: no writer runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hscapture.errors import StoreError
+from hscapture.store.files import file_mode, lock_store, write_atomic
+from hscapture.store.format import INDEX_FILE, META_FILE, STORE_VERSION, read_meta, scan_index, shard_files
+from hscapture.store.index import rewrite_index
+from hscapture.store.records import Request, once, request_record
+from hscapture.store.recovery import collect_requests, open_shard, shard_line
+
+#: Why a request rebuilt from the shards is incomplete.
+LOST = "index line lost; rebuilt from the shards by hscapture verify --repair (capture it again)"
+
+
+@dataclass
+class RepairReport:
+    """What ``repair_store`` changed. Lists are file names, request ids, or ``(line, problem)`` pairs;
+    ``backup`` names the old index, kept (empty when nothing was rewritten)."""
+
+    root: str
+    dropped_lines: list[tuple[int, str]] = field(default_factory=list)
+    torn_bytes: int = 0
+    listed: list[str] = field(default_factory=list)
+    set_aside: list[str] = field(default_factory=list)
+    rebuilt: list[str] = field(default_factory=list)
+    duplicates: list[str] = field(default_factory=list)
+    upgraded: bool = False
+    backup: str = ""
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.backup)
+
+
+def repair_store(path: str | Path) -> RepairReport:
+    """Rebuild the index of the store at ``path`` from its shards; see the module docstring.
+
+    Raises:
+        StoreError: not a store, a damaged ``meta.json`` (what was captured cannot be told from the
+            shards alone: fix it by hand), or a writer holds the store.
+    """
+    root = Path(path)
+    meta = read_meta(root)
+    if meta is None:
+        raise StoreError(f"{root}: no {META_FILE}; not an hscapture store")
+    report = RepairReport(str(root))
+    mode = file_mode(root)
+    lock = lock_store(root, 1.0, mode)
+    try:
+        scan = scan_index(root, meta["version"])
+        report.torn_bytes = scan.torn_bytes
+        records = [line.record for line in scan.lines if line.record is not None]
+        report.dropped_lines = [(line.number, line.problem) for line in scan.lines if line.record is None]
+        found = _relist(root, meta, records, report)
+        complete: set[str] = set()
+        for i, record in enumerate(records):
+            if record["type"] == "request":
+                records[i] = once(record, complete)
+                if records[i] is not record:
+                    report.duplicates.append(record["id"])
+        rebuilt = [request_record(request_id, request) for (_, request_id), request in found.items()]
+        report.rebuilt = [line["id"] for line in rebuilt]
+        stale = meta["version"] < STORE_VERSION
+        if not (report.dropped_lines or report.torn_bytes or report.listed or rebuilt or report.duplicates or stale):
+            return report
+        index = root / INDEX_FILE
+        report.backup = f"{INDEX_FILE}.before-repair-{time.time_ns()}"
+        if index.exists():
+            os.link(index, root / report.backup)
+        rewrite_index(index, [*records, *rebuilt], mode)
+        if stale:
+            write_atomic(root / META_FILE, json.dumps({**meta, "version": STORE_VERSION}, indent=2).encode(), mode)
+            report.upgraded = True
+    finally:
+        lock.close()
+    return report
+
+
+def _relist(
+    root: Path, meta: dict[str, Any], records: list[dict[str, Any]], report: RepairReport
+) -> dict[tuple[str, str], Request]:
+    """List the unlisted shards (appending their lines to ``records``); the requests with rows in the
+    store's shards that no line records, with the rows each shard holds."""
+    listed = {r["id"]: r for r in records if r["type"] == "shard"}
+    recorded = {r["id"] for r in records if r["type"] == "request"}
+    found: dict[tuple[str, str], Request] = {}
+    for shard_id, path in sorted(shard_files(root).items()):
+        line = listed.get(shard_id)
+        shard = open_shard(path, meta, None if line is None else line["bytes"], shard_id)
+        if line is None:
+            line = None if shard is None else shard_line(shard)
+            if line is None:
+                os.replace(path, path.with_name(path.name + ".damaged"))
+                report.set_aside.append(path.name)
+                continue
+            records.append(line)
+            report.listed.append(path.name)
+        if shard is not None:
+            collect_requests(shard, recorded, found, LOST)
+    return found
+
+
+def format_repair(report: RepairReport) -> str:
+    """What the repair did, a line per kind of change."""
+    if not report.changed:
+        return f"{report.root}: the index needed no repair"
+    lines = [f"{report.root}: index rebuilt; the old one is kept as {report.backup}"]
+    lines += [f"dropped: {INDEX_FILE} line {number}: {problem}" for number, problem in report.dropped_lines]
+    if report.torn_bytes:
+        lines.append(f"dropped: a torn last line of {report.torn_bytes} bytes")
+    lines += [f"listed: {name}, found on disk unlisted (from its own bytes)" for name in report.listed]
+    lines += [
+        f"set aside: {name} -> {name}.damaged (unreadable, or rows that fail their checksums)"
+        for name in report.set_aside
+    ]
+    if report.rebuilt:
+        lines.append(f"rebuilt: {_some(report.rebuilt)} whose lines were lost, recorded incomplete")
+    if report.duplicates:
+        lines.append(f"duplicates: later complete lines of {_some(report.duplicates)} recorded incomplete")
+    if report.upgraded:
+        lines.append(f"upgraded: store version {STORE_VERSION} (every index line carries its checksum)")
+    return "\n".join(lines)
+
+
+def _some(ids: list[str], show: int = 10) -> str:
+    more = f" and {len(ids) - show} more" if len(ids) > show else ""
+    return f"{len(ids)} requests ({', '.join(ids[:show])}{more})"

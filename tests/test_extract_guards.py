@@ -1,0 +1,181 @@
+"""The careless operator's inputs to ``hscapture extract`` (issue 12, findings 10 and 11), from the command line.
+
+Bad options and bad data end in one clear line before the model loads (the tests give a model that
+does not exist, so an error about anything else proves the order); a second extraction into a store
+another one is writing is refused at once; a store never lists a key complete twice; ``--limit`` on
+a rerun means the same records, not that many more; records with no assistant turn are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hscapture import cli
+from hscapture.data import read_records, record_key
+from hscapture.extract import ExtractOptions, extract
+from hscapture.store.format import encode_line
+from hscapture.store.reader import open_store
+from hscapture.store.records import DUPLICATE
+from hscapture.store.verify import verify_store
+from hscapture.store.writer import StoreWriter
+from tests.storefeed import Feed, make_layout, make_request, shard_bytes
+
+
+def complete_ids(root: Path) -> list[str]:
+    lines = map(json.loads, (root / "index.jsonl").read_text().splitlines())
+    return [r["id"] for r in lines if r["type"] == "request" and r["status"] == "complete"]
+
+
+def write_jsonl(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    """Each case: extra arguments, and the start of the one line it must end in."""
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}\n'
+    lone = '{"messages": [{"role": "user", "content": "a\\ud800"}]}\n'
+    surrogate = write_jsonl(tmp_path / "surrogate.jsonl", good + lone)
+    missing = tmp_path / "nope.jsonl"
+    gpus = torch.cuda.device_count()
+    device = ["--device", f"cuda:{gpus}"] if gpus else ["--device", "cuda"]
+    no_gpu = f"this host has {gpus} CUDA device(s)" if gpus else "no CUDA device is visible on this host"
+    return {
+        "no layers and --no-last": (["--layers", "", "--no-last"], "--layers: nothing to capture"),
+        "a GPU this host lacks": (device, f"--device {device[1]}: {no_gpu}"),
+        "not a device": (["--device", "tpu9"], "--device: 'tpu9' is not a torch device"),
+        "missing data": (["--data", str(missing)], f"--data: '{missing}' does not exist"),
+        "data is a directory": (["--data", str(tmp_path)], f"--data: '{tmp_path}' is not a file"),
+        "negative limit": (["--limit", "-1"], "--limit: -1; give how many records"),
+        "zero limit": (["--limit", "0"], "--limit: 0; give how many records"),
+        "a lone surrogate": (["--data", str(surrogate)], f"{surrogate}:2: a string holds a lone surrogate '\\ud800'"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no layers and --no-last",
+        "a GPU this host lacks",
+        "not a device",
+        "missing data",
+        "data is a directory",
+        "negative limit",
+        "zero limit",
+        "a lone surrogate",
+    ],
+)
+def test_bad_options_and_data_fail_in_one_line_before_the_model_loads(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args, expected = bad_inputs(tmp_path)[case]
+    out = tmp_path / "store"
+    capsys.readouterr()
+    code = cli.main(["extract", "--out", str(out), "--model", str(tmp_path / "no-model"), *args, "--no-progress"])
+    said = capsys.readouterr()
+    assert code == 2, said
+    (line,) = said.err.strip().splitlines()
+    assert line.startswith(f"hscapture extract: error: {expected}"), line
+    assert not out.exists(), "nothing is created for options that cannot run"
+
+
+def test_a_second_extraction_into_the_same_store_is_refused_at_once(
+    tiny_model: Path, tiny_demo_data: Path, tmp_path: Path
+) -> None:
+    """The first holds the store from before its model loads to its end (stopped with SIGSTOP while the second
+    tries, so the second cannot slip in after it); every sample ends up complete exactly once."""
+    out = tmp_path / "store"
+    args = ["extract", "--model", str(tiny_model), "--data", str(tiny_demo_data), "--out", str(out)]
+    args += ["--limit", "12", "--no-progress"]
+    first = subprocess.Popen([sys.executable, "-m", "hscapture", *args], stderr=subprocess.PIPE, text=True)
+    try:
+        lock = out / ".lock"
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text().strip() == f"pid {first.pid}"):
+            assert first.poll() is None and time.monotonic() < deadline, "the first extraction never took the store"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)
+        second = subprocess.run([sys.executable, "-m", "hscapture", *args], capture_output=True, text=True, timeout=120)
+        first.send_signal(signal.SIGCONT)
+        assert second.returncode == 1, second.stderr
+        (line,) = second.stderr.strip().splitlines()
+        assert line == (
+            f"hscapture extract: failed: {out}: the store is in use, being written by pid {first.pid}; "
+            "stop it or write to another directory"
+        )
+        assert first.wait(timeout=300) == 0
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGCONT)
+            first.kill()
+            first.wait()
+    keys = [record_key(r, i) for i, (_, r) in enumerate(read_records(tiny_demo_data))][:12]
+    assert sorted(complete_ids(out)) == sorted(keys)
+
+
+def test_a_store_never_lists_a_key_complete_twice(tmp_path: Path) -> None:
+    """A request captured complete again (by a second writer session) is recorded incomplete as a duplicate;
+    readers serve the first capture, verify is clean; a second complete line written by hand fails verify."""
+    root = tmp_path / "store"
+    rng = np.random.default_rng(10)
+    first, again = make_request(6, "float32", rng), make_request(6, "float32", rng)
+    for run_id, request in (("run-a", first), ("run-b", again)):
+        writer = StoreWriter(root, shard_bytes("float32"))
+        writer.begin_run(*make_layout(run_id))
+        feed = Feed(writer, {"a": request})
+        feed.chunk([("a", range(6))])
+        feed.finish("a", num_tokens=6)
+        writer.close()
+    lines = [json.loads(line) for line in (root / "index.jsonl").read_text().splitlines()]
+    statuses = [(r["status"], r.get("reason")) for r in lines if r["type"] == "request"]
+    assert statuses == [("complete", ""), ("incomplete", DUPLICATE)]
+    assert torch.equal(open_store(root).get("a")["layer_2"], first.rows[0])
+    assert verify_store(root).ok
+
+    line = next(r for r in lines if r["type"] == "request" and r["status"] == "complete")
+    with (root / "index.jsonl").open("ab") as index:
+        index.write(encode_line({k: v for k, v in line.items() if k != "line_crc32"}))
+    report = verify_store(root)
+    assert not report.ok and [(p.request, p.line) for p in report.duplicates] == [("a", len(lines) + 1)]
+
+
+def test_limit_on_a_rerun_means_the_same_records(tiny_model: Path, tiny_demo_data: Path, tmp_path: Path) -> None:
+    keys = [record_key(r, i) for i, (_, r) in enumerate(read_records(tiny_demo_data))]
+    out = tmp_path / "store"
+
+    def run(limit: int) -> int:
+        return extract(ExtractOptions(out, tiny_model, tiny_demo_data, limit=limit, progress=False)).samples
+
+    assert run(3) == 3
+    assert run(3) == 0, "a rerun with the same limit finishes the same records, it does not take 3 more"
+    assert run(5) == 2
+    assert sorted(complete_ids(out)) == sorted(keys[:5])
+
+
+def test_records_without_an_assistant_turn_are_stored_and_counted(tiny_model: Path, tmp_path: Path) -> None:
+    data = write_jsonl(
+        tmp_path / "data.jsonl",
+        '{"id": "ask", "messages": [{"role": "user", "content": "only a question"}]}\n'
+        '{"id": "chat", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}\n'
+        '{"id": "prompt", "prompt": "a bare prompt"}\n',
+    )
+    out = tmp_path / "store"
+    args = ["extract", "--model", str(tiny_model), "--data", str(data), "--out", str(out), "--no-progress"]
+    done = subprocess.run([sys.executable, "-m", "hscapture", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "warning: 2 of the 3 samples captured have an empty loss mask" in done.stderr
+    store = open_store(out)
+    assert sorted(store.keys(complete_only=True)) == ["ask", "chat", "prompt"]
+    masks = {key: store.get(key)["loss_mask"] for key in store}
+    assert not masks["ask"].any() and not masks["prompt"].any() and masks["chat"].any()
+    assert os.stat(out).st_mode & 0o077 == 0

@@ -1,0 +1,197 @@
+"""Who can read and plant things in a store (issue 12, findings 1, 3 and 4), with real processes and files.
+
+A store holds users' token ids and hidden states. These tests play the other local user of a shared
+GPU host (a real second user made with ``useradd`` where the tests run as root) and the careless
+operator: a store directory someone else made first, links planted where the store writes, a
+directory open to others, the user's own ``*.tmp`` files beside the store, and who may read it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hscapture.errors import AccessError
+from hscapture.export import ExportOptions, export
+from hscapture.store.reader import open_store
+from hscapture.store.writer import StoreWriter
+from tests.conftest import OtherUser
+from tests.storefeed import Feed, make_layout, make_request, shard_bytes
+
+
+def hscapture(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the command line in its own process; one that hangs (waiting for a producer) is killed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hscapture", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def modes(root: Path) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.lstat().st_mode) for p in root.iterdir()}
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory under /tmp that every user may enter (not write), for stores another user tries to read."""
+    folder = Path(f"/tmp/hsc-access-{uuid.uuid4().hex[:10]}")
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    """A file of ours that a planted link points at; nothing may ever be written into it."""
+    path = tmp_path / "victim"
+    path.write_text("precious\n")
+    path.chmod(0o600)
+    return path
+
+
+def assert_untouched(victim: Path) -> None:
+    assert victim.read_text() == "precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+
+
+# ------------------------------------------------------------------ finding 1: foreign directories, links
+
+
+def test_a_store_directory_another_user_made_is_refused_and_its_links_never_followed(
+    other_user: OtherUser, victim: Path, tiny_model: Path
+) -> None:
+    """Another user makes ``--out`` first (0777) with ``.lock`` and ``index.jsonl`` linked to a file of ours:
+    ``consume`` and ``extract`` refuse the directory at once and write nothing through the links."""
+    foreign = Path(f"/tmp/hsc-foreign-{uuid.uuid4().hex[:10]}")
+    other_user.run(f"mkdir -m 0777 {foreign} && ln -s {victim} {foreign}/.lock && ln -s {victim} {foreign}/index.jsonl")
+    endpoint = f"ipc:///tmp/hsc-test-{uuid.uuid4().hex[:10]}/ep"
+    try:
+        consumed = hscapture("consume", "--out", str(foreign), "--endpoint", endpoint, "--quiet", timeout=60)
+        assert consumed.returncode == 1, consumed.stderr
+        assert f"store directory {foreign} belongs to uid {other_user.uid}" in consumed.stderr
+        assert "Traceback" not in consumed.stderr
+        extracted = hscapture("extract", "--out", str(foreign), "--model", str(tiny_model), "--limit", "1")
+        assert extracted.returncode == 1 and f"belongs to uid {other_user.uid}" in extracted.stderr, extracted.stderr
+        assert_untouched(victim)
+        assert sorted(os.listdir(foreign)) == [".lock", "index.jsonl"], "nothing of ours was written there"
+    finally:
+        subprocess.run(["rm", "-rf", str(foreign)], check=False)
+
+
+@pytest.mark.parametrize("planted", [".lock", "index.jsonl"])
+def test_a_link_planted_in_a_store_of_ours_is_refused_not_followed(tmp_path: Path, victim: Path, planted: str) -> None:
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    (root / planted).symlink_to(victim)
+    with pytest.raises(AccessError, match=rf"{root / planted} is a symbolic link, which hscapture never follows"):
+        StoreWriter(root, shard_bytes("float32"), lock_timeout_s=0.2)
+    assert_untouched(victim)
+
+
+def test_a_store_directory_others_may_write_into_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    root.mkdir()
+    root.chmod(0o777)
+    with pytest.raises(AccessError, match=rf"store directory {root} has mode 0777, open to other users; .*chmod go-w"):
+        StoreWriter(root, shard_bytes("float32"), lock_timeout_s=0.2)
+    assert os.listdir(root) == []
+
+
+def test_an_export_never_writes_through_a_planted_manifest_link(tiny_store: Path, tmp_path: Path, victim: Path) -> None:
+    out = tmp_path / "export"
+    out.mkdir(mode=0o700)
+    (out / "hscapture-export.jsonl").symlink_to(victim)
+    options = ExportOptions(tiny_store, out, "specforge", progress=False, limit=1)
+    with pytest.raises(AccessError, match=r"export manifest .* is a symbolic link"):
+        export(options)
+    assert_untouched(victim)
+
+
+# ------------------------------------------------------------------ finding 3: private by default, shared on request
+
+
+def test_stores_and_exports_are_private_by_default(other_user: OtherUser, shared_tmp: Path, tiny_model: Path) -> None:
+    """A store ``extract`` creates is 0700 with 0600 files; the other user can neither list nor read it."""
+    store = shared_tmp / "store"
+    done = hscapture("extract", "--out", str(store), "--model", str(tiny_model), "--limit", "3", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    found = modes(store)
+    assert stat.S_IMODE(store.stat().st_mode) == 0o700
+    assert set(found.values()) == {0o600}, found
+    assert {".lock", "index.jsonl", "meta.json", "shard-000000.safetensors"} <= set(found)
+    for command in (f"ls {store}", f"cat {store}/index.jsonl", f"cat {store}/shard-000000.safetensors"):
+        with pytest.raises(subprocess.CalledProcessError):
+            other_user.run(command + " > /dev/null 2>&1")
+
+    out = shared_tmp / "export"
+    assert export(ExportOptions(store, out, "specforge", progress=False)).written == 3
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert files and {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o600}
+
+
+def test_share_group_lets_that_group_read_the_store_and_no_one_else(
+    other_user: OtherUser, shared_tmp: Path, tiny_model: Path
+) -> None:
+    store = shared_tmp / "store"
+    args = ["extract", "--out", str(store), "--model", str(tiny_model), "--limit", "2", "--no-progress"]
+    done = hscapture(*args, "--share-group", str(other_user.gid))
+    assert done.returncode == 0, done.stderr
+    info = store.stat()
+    assert (stat.S_IMODE(info.st_mode), info.st_gid) == (0o2750, other_user.gid)
+    for path in store.iterdir():
+        assert (stat.S_IMODE(path.stat().st_mode), path.stat().st_gid) == (0o640, other_user.gid), path.name
+    other_user.run(f"cat {store}/index.jsonl {store}/shard-000000.safetensors > /dev/null")  # a member reads it
+    outsider = subprocess.run(
+        ["cat", str(store / "index.jsonl")], user=other_user.uid, group=65534, extra_groups=[], capture_output=True
+    )
+    assert outsider.returncode != 0 and b"Permission denied" in outsider.stderr
+    again = hscapture(*args[:-1], "--limit", "4", "--no-progress")  # appending keeps the store shared
+    assert again.returncode == 0, again.stderr
+    assert {stat.S_IMODE(p.stat().st_mode) for p in store.iterdir()} == {0o640}
+
+
+def test_share_group_must_be_a_group_of_the_user(tmp_path: Path, tiny_model: Path) -> None:
+    done = hscapture("extract", "--out", str(tmp_path / "s"), "--model", "/nonexistent", "--share-group", "no-such-grp")
+    assert done.returncode == 2 and "share_group: no group 'no-such-grp'" in done.stderr, done.stderr
+    assert not (tmp_path / "s").exists()
+
+
+# ------------------------------------------------------------------ finding 4: the user's own temp files
+
+
+def test_a_writer_removes_only_the_temp_files_the_store_names(tmp_path: Path) -> None:
+    """The user's ``*.tmp`` files beside the store survive; a dead writer's own temp files go."""
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    mine = {"notes.tmp": b"a draft", "data.jsonl.tmp": b"{}", ".editor.swp.tmp": b"x", "shard-notes.tmp": b"y"}
+    for name, data in mine.items():
+        (root / name).write_bytes(data)
+    stale = [".hscapture-shard-000003.safetensors.999999999.0123456789ab.tmp", "shard-000002.safetensors.tmp"]
+    for name in stale:
+        (root / name).write_bytes(b"half a shard")
+    rng = np.random.default_rng(4)
+    writer = StoreWriter(root, shard_bytes("float32"))
+    writer.begin_run(*make_layout())
+    feed = Feed(writer, {"a": make_request(9, "float32", rng)})
+    feed.chunk([("a", range(9))])
+    feed.finish("a", num_tokens=9)
+    writer.close()
+    assert {name: (root / name).read_bytes() for name in mine} == mine
+    assert not [name for name in stale if (root / name).exists()]
+    assert open_store(root).keys(complete_only=True) == ["a"]
