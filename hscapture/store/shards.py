@@ -4,18 +4,18 @@ A shard buffer holds ``capacity`` rows: one ``[capacity, hidden * itemsize]`` by
 captured tensor (pinned memory when the consumer drains a CUDA ring) and the rows' positions,
 token ids and request indices. :func:`write_shard` writes the safetensors header, then every
 tensor from the buffer in blocks of :data:`BLOCK_BYTES`, each block checksummed just before it
-is written (so it is read from the cache, not twice from memory): the captured tensors row by row
-(the ``row_crc32`` table a reader checks the rows it serves against; each tensor's CRC follows from
-its rows'), the rest whole. Nothing builds the file in memory. Every :data:`WRITEBACK_BYTES` written, the kernel is asked to start writing them to the
-disk, so the disk works while the rest of the shard is written and the closing fsync waits for
-the tail only (left to itself, the kernel would write nothing until that fsync).
+is written (so it is read from the cache, not twice from memory): the captured tensors row by
+row (the ``row_crc32`` table a reader checks the rows it serves against; each tensor's CRC
+follows from its rows'), the rest whole. Nothing builds the file in memory. Every
+:data:`WRITEBACK_BYTES` written, the kernel is asked to start writing them to the disk, so the
+disk works while the rest of the shard is written and the closing fsync waits for the tail only
+(left to itself, the kernel would write nothing until that fsync).
 
 In an fp8 store rows arrive either as captured (each block is quantized into a scratch first;
-the scales and the row table, known only when their tensors are done, are written at their place
-afterwards) or
-already quantized (the consumer of a GPU ring quantizes on the GPU): then a buffer plane holds
-``[capacity, hidden]`` codes, and the buffer each row's scale and count of non-finite values,
-and the shard is written as it stands.
+the scales and the row table, known only when their tensors are done, are written at their
+place afterwards) or already quantized (the consumer of a GPU ring quantizes on the GPU): then a
+buffer plane holds ``[capacity, hidden]`` codes, and the buffer each row's scale and count of
+non-finite values, and the shard is written as it stands.
 """
 
 from __future__ import annotations
