@@ -463,6 +463,8 @@ class Producer:
             self._drain_control()
             deadline = time.monotonic() + timeout_s
             while self._offered is not None and time.monotonic() < deadline:  # it opens the ring: let it confirm
+                if self._peer_pid and not pid_alive(self._peer_pid):
+                    break  # it died opening it: nobody to end the stream to
                 self._wait_control()
             if self._consumer_id is not None and self._send(protocol.encode(eos)):
                 while self._in_flight and time.monotonic() < deadline:
