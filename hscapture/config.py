@@ -279,6 +279,9 @@ class ConsumerConfig:
     exit_on_eos: bool = False
     #: Sleep this long per chunk: simulates a slow consumer (tests, drop-policy benchmarks).
     delay_ms: float = 0.0
+    #: Confirm an attach only once this file exists: holds the consumer between opening the producer's ring
+    #: and confirming, where a CUDA one spends seconds, so a test decides what the producer does meanwhile.
+    attach_gate: Path | None = None
     #: Finish the store and exit when this process is gone (the extraction that started us).
     watch_pid: int | None = None
     #: Copy chunks out and release them but write nothing (drain-rate benchmarks).

@@ -47,8 +47,12 @@ def start_consumer() -> Iterator[ConsumerFactory]:
     """Start ``hscapture consume`` as a separate process; every one is killed at teardown."""
     started: list[subprocess.Popen] = []
 
-    def start(out: Path, endpoint: str, *extra: str) -> subprocess.Popen:
-        process = subprocess.Popen(consume_command(endpoint, out, "--quiet", "--heartbeat-ms", "50", *extra))
+    def start(out: Path, endpoint: str, *extra: str, log: Path | None = None) -> subprocess.Popen:
+        """``log``: a file its stderr (warnings, rejections) goes to, for the test to read."""
+        with contextlib.ExitStack() as stack:
+            stderr = None if log is None else stack.enter_context(log.open("wb"))
+            command = consume_command(endpoint, out, "--quiet", "--heartbeat-ms", "50", *extra)
+            process = subprocess.Popen(command, stderr=stderr)
         started.append(process)
         return process
 

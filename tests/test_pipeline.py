@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,10 @@ import torch
 
 from hscapture import open_store
 from hscapture.consumer import consume_command
+from hscapture.producer import Producer
 from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
-from tests.workload import Workload, make_config, make_producer
+from tests.workload import HIDDEN, NUM_TENSORS, Workload, make_config, make_producer
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -184,6 +186,168 @@ def test_consumer_restarted_mid_run_reattaches_and_continues(
     records = check_store(tmp_path, [workload])
     after = [rid for rid in workload.finished if rid not in before_restart]
     assert after and all(records[rid]["status"] == "complete" for rid in after)
+
+
+class Requests:
+    """Requests of 16 rows each, stepped 8 rows (one slot of ``make_config``) at a time; what the store must hold."""
+
+    def __init__(self, ids: str, device: str) -> None:
+        generator = torch.Generator().manual_seed(11)
+        self.device = device
+        self.rows = {rid: torch.randn(NUM_TENSORS, 16, HIDDEN, generator=generator) for rid in ids}
+        self.tokens = {rid: list(range(100 * i, 100 * i + 16)) for i, rid in enumerate(ids, 1)}
+
+    def states(self, rid: str, half: int) -> list[torch.Tensor]:
+        return [plane[8 * half : 8 * half + 8].to(self.device) for plane in self.rows[rid]]
+
+    def meta(self, rid: str, half: int) -> tuple[list[int], list[int]]:
+        return list(range(8 * half, 8 * half + 8)), self.tokens[rid][8 * half : 8 * half + 8]
+
+    def capture(self, producer: Producer, rid: str, half: int) -> None:
+        assert producer.capture_step(self.states(rid, half), [rid], [8], *self.meta(rid, half)) == 8
+
+    def finish(self, producer: Producer, rid: str) -> None:
+        producer.finish_request(rid, num_tokens=16, loss_mask=[(1, 16)])
+
+    def check(self, out: Path, unfinished: str = "") -> None:
+        """Every row in the store once, bitwise as produced; every request complete but the ``unfinished`` ones."""
+        store = open_store(out)
+        for rid, planes in self.rows.items():
+            record = store.record(rid)
+            assert record["status"] == ("incomplete" if rid in unfinished else "complete"), f"{record}"
+            sample = store.get(rid)
+            assert sample["positions"].tolist() == list(range(16)), rid
+            assert torch.equal(torch.stack([sample[name] for name in store.tensor_names]), planes), rid
+            assert sample["input_ids"].tolist() == self.tokens[rid], rid
+
+
+def serve_until(producer: Producer, done: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    """Serve the producer's control socket until ``done()``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        producer.poll()
+        time.sleep(0.01)
+
+
+def first_consumer_holding_a(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, producer: Producer, requests: Requests
+) -> subprocess.Popen:
+    """A consumer attached and sent both halves of request "a" (seqs 1 and 2), which it never releases."""
+    first = start_consumer(tmp_path, endpoint, "--delay-ms", "600000")  # stuck in its first chunk
+    wait_attached(producer)
+    requests.capture(producer, "a", 0)
+    requests.capture(producer, "a", 1)
+    return first
+
+
+def second_consumer_held_before_confirming(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, producer: Producer, first: subprocess.Popen
+) -> tuple[subprocess.Popen, Path, Path]:
+    """Kill ``first``; start another and return once our layout is offered to it. It opens the ring and waits
+    to confirm until the test creates its gate file (returned with its log), as a CUDA one is slow to open it:
+    until then the producer cannot have heard its confirmation, whatever the timing."""
+    first.kill()
+    first.wait()
+    gate, log = tmp_path / "gate", tmp_path / "second.log"
+    second = start_consumer(tmp_path, endpoint, "--exit-on-eos", "--attach-gate", str(gate), log=log)
+    serve_until(producer, lambda: not producer.attached, "the layout offered to the second one")
+    return second, gate, log
+
+
+def test_a_restarted_consumer_slow_to_attach_takes_over_each_slot_in_flight_once_in_seq_order(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
+) -> None:
+    """The first consumer dies holding every slot it was sent; the next one is offered the layout and has not
+    confirmed when the engine announces a step it wrote before the death, then finishes a request whose rows the
+    dead one held. The new consumer must get the dead one's slots first, in seq order, then that step and that
+    finish, each once: nothing rejected as a replay, nothing lost, no slot left unreleased. (The step once went
+    to the consumer before it confirmed, the dead one's slots after: "Chunk.seq: 1 after 3; replayed or out of
+    order", seq 3 announced twice and released twice, slots 1 and 2 never released; on the GPU a CreditTimeout.)"""
+    producer = make_producer(make_config(endpoint, policy="block", device=device))  # 4 slots of 8 rows
+    requests = Requests("ab", device)
+    first = first_consumer_holding_a(tmp_path, endpoint, start_consumer, producer, requests)
+    written = producer.write_step(requests.states("b", 0), ["b"], [8])  # announced only after the death
+    second, gate, log = second_consumer_held_before_confirming(tmp_path, endpoint, start_consumer, producer, first)
+    gate.touch()  # it may confirm now; announcing reads no confirmation before it sends
+    assert producer.announce_step(written, *requests.meta("b", 0)) == 8  # seq 3
+    requests.finish(producer, "a")
+    requests.capture(producer, "b", 1)
+    requests.finish(producer, "b")
+    counters = producer.close()
+    assert second.wait(30) == 0
+    assert "rejected" not in log.read_text(), log.read_text()[-3000:]
+    assert counters.attaches == 2 and counters.rows_dropped == counters.events_dropped == 0
+    assert counters.messages_rejected == 0, "a slot was released twice: announced twice"
+    requests.check(tmp_path)
+
+
+def test_a_producer_closed_while_a_restarted_consumer_attaches_ends_the_stream_after_the_slots_in_flight(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
+) -> None:
+    """The end of stream waits for the new consumer to confirm and take the dead one's slots (it once could go
+    out first: the consumer ended its run at once and the producer closed with the slots never released)."""
+    producer = make_producer(make_config(endpoint, policy="block", device=device))
+    requests = Requests("a", device)
+    first = first_consumer_holding_a(tmp_path, endpoint, start_consumer, producer, requests)
+    second, gate, log = second_consumer_held_before_confirming(tmp_path, endpoint, start_consumer, producer, first)
+    gate.touch()
+    counters = producer.close()
+    assert not producer._in_flight, "closed with slots never released"
+    assert second.wait(30) == 0
+    assert "rejected" not in log.read_text(), log.read_text()[-3000:]
+    assert counters.attaches == 2 and counters.messages_rejected == 0
+    requests.check(tmp_path, unfinished="a")  # never finished: both halves stored, the request marked incomplete
+
+
+@pytest.mark.parametrize("replacement", ["offered", "attached"])
+def test_a_consumer_replaced_while_frozen_is_taken_back_and_loses_no_slot(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str, replacement: str
+) -> None:
+    """The attached consumer freezes holding slots; after the takeover time another is offered the layout and
+    dies, either while opening the ring (``offered``) or attached, holding the slots announced to it again
+    (``attached``). The frozen one comes back and is attached again (a second confirm of the same consumer). Its
+    own releases free the slots announced to it; those the other held are announced to it again, and it copies
+    each row once: an announcement it has seen is released, never copied twice or rejected as a replay."""
+    producer = make_producer(make_config(endpoint, policy="block", device=device))
+    log = tmp_path / "first.log"
+    first = start_consumer(tmp_path, endpoint, "--exit-on-eos", log=log)
+    wait_attached(producer)
+    requests = Requests("abc", device)
+    requests.capture(producer, "a", 0)
+    first.send_signal(signal.SIGSTOP)  # alive but silent, the slots announced from now on in its queue
+    try:
+        requests.capture(producer, "a", 1)
+        requests.capture(producer, "b", 0)
+        if replacement == "offered":  # opens the ring and never confirms: its gate never opens
+            second = start_consumer(tmp_path / "second", endpoint, "--attach-gate", str(tmp_path / "gate"))
+            serve_until(producer, lambda: not producer.attached, "the takeover by the second one")
+        else:  # attaches, and is stuck in the first chunk announced to it
+            second = start_consumer(tmp_path / "second", endpoint, "--delay-ms", "600000")
+            serve_until(producer, lambda: producer.counters.attaches == 2, "the takeover by the second one")
+        moved = len(producer._in_flight) if replacement == "attached" else 0  # announced to the second one
+        second.kill()
+        second.wait()
+    finally:
+        first.send_signal(signal.SIGCONT)
+    attaches = 2 if replacement == "offered" else 3  # not "attached": the producer may not know the second is dead
+    serve_until(producer, lambda: producer.counters.attaches == attaches, "the first one attached again")
+    requests.finish(producer, "a")
+    requests.capture(producer, "b", 1)
+    requests.capture(producer, "c", 0)
+    requests.capture(producer, "c", 1)
+    requests.finish(producer, "b")
+    requests.finish(producer, "c")
+    counters = producer.close()
+    assert first.wait(30) == 0
+    assert "rejected" not in log.read_text(), log.read_text()[-3000:]
+    assert not producer._in_flight, "a slot never came back"
+    assert counters.rows_dropped == counters.events_dropped == 0
+    assert counters.attaches == attaches
+    # A slot it got twice it releases twice (unless the second came while still copying it): the producer
+    # refuses one of the two as stale. Nothing else is refused.
+    assert counters.messages_rejected <= moved, "a release of the consumer the slot was announced to was refused"
+    requests.check(tmp_path)
 
 
 def test_producer_restarted_is_found_again_by_a_running_consumer(

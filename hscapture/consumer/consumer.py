@@ -138,7 +138,7 @@ class Consumer:
         self._last_seq = 0
         self._producer_pid = 0
         #: The last announcement taken per slot (seq, hash of its bytes): the very same announcement
-        #: coming again after a re-attach is released again instead of rejected as a replay.
+        #: coming again after a re-attach is not copied twice, nor rejected as a replay.
         self._announced: dict[int, tuple[int, int]] = {}
         #: Chunks whose copies are in flight and request ends behind them, in wire order.
         self._pending: deque[_Copy | _End] = deque()
@@ -291,6 +291,9 @@ class Consumer:
         self._ring_used_at_chunk = 0
         self.stats.runs += 1
         self.stats.rows_dropped = self._drops.begin_run()
+        gate = self.config.attach_gate
+        while gate is not None and not gate.exists() and not self._stopping:
+            time.sleep(0.01)
         self._hello()  # confirms the layout: the producer starts announcing
         on_gpu = "; fp8 quantized on the GPU" if self._quantizer is not None else ""
         log.info(
@@ -314,10 +317,14 @@ class Consumer:
         assert layout is not None and ring is not None
         protocol.check_chunk(chunk, layout, self._row_bytes)
         if chunk.seq <= self._last_seq:
-            if self._announced.get(chunk.slot) == (chunk.seq, digest):  # the same announcement again, after a
-                self._send_release(chunk.slot, chunk.seq)  # re-attach: copied already, so release it again
-                return
-            raise ProtocolError(f"Chunk.seq: {chunk.seq} after {self._last_seq}; replayed or out of order")
+            if self._announced.get(chunk.slot) != (chunk.seq, digest):
+                raise ProtocolError(f"Chunk.seq: {chunk.seq} after {self._last_seq}; replayed or out of order")
+            # The same announcement again: the producer took us back after another consumer had its place
+            # (it ignored our releases meanwhile). A slot still being copied is released when its copy lands,
+            # never before; one released already is released again.
+            if not any(isinstance(e, _Copy) and (e.slot, e.seq) == (chunk.slot, chunk.seq) for e in self._pending):
+                self._send_release(chunk.slot, chunk.seq)
+            return
         self._last_seq = chunk.seq  # used, even if the chunk is refused below: it cannot be replayed
         self._announced[chunk.slot] = (chunk.seq, digest)
         positions = protocol.unpack_rows(chunk.positions, chunk.rows, "positions")

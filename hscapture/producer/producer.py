@@ -108,6 +108,8 @@ class _InFlight:
     seq: int
     rows: int
     payload: bytes
+    #: The consumer it was last announced to: the one whose release frees the slot.
+    consumer: str
 
 
 class Producer:
@@ -384,7 +386,7 @@ class Producer:
         payload = protocol.encode(chunk)
         if not self._send(payload):
             return False
-        self._in_flight[slot] = _InFlight(seq, rows, payload)
+        self._in_flight[slot] = _InFlight(seq, rows, payload, self._consumer_id or "")
         self.counters.rows_captured += rows
         self.counters.chunks_announced += 1
         return True
@@ -459,8 +461,12 @@ class Producer:
                 v=protocol.PROTOCOL_VERSION, run_id=self.run_id, counters=self.counters.to_dict(), error=error
             )
             self._drain_control()
-            if (self._consumer_id or self._offered) and self._send(protocol.encode(eos)):
-                deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + timeout_s
+            while self._offered is not None and time.monotonic() < deadline:  # it opens the ring: let it confirm
+                if self._peer_pid and not pid_alive(self._peer_pid):
+                    break  # it died opening it: nobody to end the stream to
+                self._wait_control()
+            if self._consumer_id is not None and self._send(protocol.encode(eos)):
                 while self._in_flight and time.monotonic() < deadline:
                     self._wait_control()
                 if self._in_flight:
@@ -559,7 +565,7 @@ class Producer:
         return self._free.popleft()
 
     def _send(self, payload: bytes) -> bool:
-        """Send to our consumer; under ``drop`` give up at once, under ``block`` wait for one."""
+        """Send to the attached consumer; under ``drop`` give up at once, under ``block`` wait for one."""
         if self._send_now(payload):
             return True
         if self.config.policy == "drop":
@@ -568,7 +574,8 @@ class Producer:
         return True
 
     def _send_now(self, payload: bytes) -> bool:
-        peer = self._consumer_id or self._offered
+        # Never to a consumer only offered our layout: it gets the slots still in flight first, when it confirms.
+        peer = self._consumer_id
         return peer is not None and self._sockets.send(peer, payload)
 
     def _wait_until(self, ready: Any, what: str) -> None:
@@ -617,26 +624,29 @@ class Producer:
                 log.warning("rejected message on release socket: %s", exc)
 
     def _on_release(self, message: protocol.Release) -> None:
+        """Free a slot released by the consumer it was last announced to, with the seq it was announced with."""
         flight = self._in_flight.get(message.slot)
-        peer = self._consumer_id or self._offered
-        if message.consumer_id != peer or flight is None or flight.seq != message.seq:
+        if flight is None or flight.seq != message.seq or flight.consumer != message.consumer_id:
             raise ProtocolError(
                 f"Release: slot {short_repr(message.slot)} seq {short_repr(message.seq)} from consumer "
                 f"{short_repr(message.consumer_id)} does not match a slot in flight (stale or forged)"
             )
         del self._in_flight[message.slot]
         self._free.append(message.slot)
-        self._peer_heard = time.monotonic()
+        if message.consumer_id == self._consumer_id:
+            self._peer_heard = time.monotonic()
 
     def _on_hello(self, message: protocol.Hello) -> None:
         """Attach one consumer at a time, in two steps: offer the layout, then hand out credit once it confirms.
 
         A consumer confirms by saying hello with our run id, which it does as soon as it has
-        opened the ring; until then no slot is announced, so a slow first open (CUDA context,
-        pinned buffers) costs no rows that could have waited in the ring. While the consumer we
-        talk to is alive, any other is refused (:class:`~hscapture.protocol.Refused`); once it is
-        gone (its process ended on this host, or silent for ``_TAKEOVER_BEATS`` heartbeats) the
-        next one takes over, and the slots still in flight are announced to it again.
+        opened the ring; until then nothing but the layout is sent to it (no chunk, no request
+        end, no end of stream: ``block`` waits, ``drop`` drops and counts), so a slow first open
+        (CUDA context, pinned buffers) costs no rows that could have waited in the ring. While the
+        consumer we talk to is alive, any other is refused (:class:`~hscapture.protocol.Refused`);
+        once it is gone (its process ended on this host, or silent for ``_TAKEOVER_BEATS``
+        heartbeats) the next one takes over: when it confirms, every slot still in flight is
+        announced to it again, in seq order, before anything newer (:meth:`_confirm`).
         """
         if self.token and not hmac.compare_digest(message.token.encode(), self.token.encode()):
             raise ProtocolError(
@@ -714,14 +724,26 @@ class Producer:
             log.warning("refused consumer %s: %s", short_repr(consumer_id), reason)
 
     def _confirm(self, consumer_id: str) -> None:
+        """Attach ``consumer_id`` and hand it every slot still in flight that was announced to another, oldest first.
+
+        Those slots hold rows a consumer that is gone never released: each is announced again,
+        with its seq, and from then on only this consumer's release frees it. Nothing but the
+        layout goes to a consumer before it confirms, so every chunk announced after these has a
+        higher seq: the consumer sees one increasing sequence and takes each slot once. A
+        consumer taken back after another had its place still holds what was announced to it;
+        what went to the other reaches it again, with seqs it may have seen: a consumer takes an
+        announcement it has seen byte for byte as a repeat (released, never copied twice).
+        """
         self._consumer_id, self._offered = consumer_id, None
         self.counters.attaches += 1
         log.info("consumer %s attached", consumer_id)
-        # Slots announced to a consumer that is gone still hold their rows: announce them again.
         for flight in sorted(self._in_flight.values(), key=lambda f: f.seq):
+            if flight.consumer == consumer_id:
+                continue
             if not self._sockets.send(consumer_id, flight.payload):
                 self._consumer_id = None  # gone again mid-way; its successor's hello starts over
                 break
+            flight.consumer = consumer_id
 
     def _count_drop(self, request_ids: Sequence[str], request_rows: Sequence[int], begin: int, end: int) -> None:
         self.counters.rows_dropped += end - begin
