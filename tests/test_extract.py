@@ -14,12 +14,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hscapture import open_store
-from hscapture.data import load_samples, pad_batch, plan_batches
+from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
 from hscapture.extract import ExtractOptions, extract
 from hscapture.integrations.hf import eagle3_default_layers
 from hscapture.tiny import write_demo_jsonl
 
 BATCH_TOKENS = 1024
+PAD_TO = ExtractOptions.pad_to_multiple  # the default: the store must hold the rows of the batches extract ran
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +57,11 @@ def test_store_equals_hf_output_hidden_states_bitwise(extracted: Path, demo_data
     samples = list(load_samples(demo_data, tokenizer))
     assert sorted(store.keys(complete_only=True)) == sorted(s.key for s in samples)
     checked = 0
-    for batch in plan_batches(samples, BATCH_TOKENS, 64):
-        input_ids, attention_mask = pad_batch(batch, tokenizer.pad_token_id)
+    widths = set()
+    for batch in plan_batches(samples, BATCH_TOKENS, 64, PAD_TO):
+        width = padded_length(batch, PAD_TO, BATCH_TOKENS)
+        widths.add(width)
+        input_ids, attention_mask = pad_batch(batch, tokenizer.pad_token_id, width)
         with torch.inference_mode():
             hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
         for i, sample in enumerate(batch):
@@ -72,6 +76,7 @@ def test_store_equals_hf_output_hidden_states_bitwise(extracted: Path, demo_data
             assert got["positions"].tolist() == list(range(n))
             checked += 1
     assert checked == 200
+    assert PAD_TO > 1 and all(w % PAD_TO == 0 for w in widths), widths  # the batches were padded past their longest
     total = sum(len(s.input_ids) for s in samples)
     assert store.summary()["rows"] == total, "padding rows were stored"
 
@@ -158,6 +163,7 @@ def test_cli_bad_configuration_fails_fast_with_clear_messages(tiny_model: Path, 
         ([*base, "--out", str(tmp_path / "a"), "--layers", "2,99"], "[99] out of range", "0..8"),
         ([*base, "--out", str(demo_data / "sub")], "--out", "not writable"),
         ([*base, "--out", str(tmp_path / "b"), "--dtype", "int8"], "--dtype", "not supported"),
+        ([*base, "--out", str(tmp_path / "p"), "--pad-to-multiple", "0"], "--pad-to-multiple", "positive integer"),
         (["consume", "--out", str(demo_data / "sub")], "out_dir", "not writable"),
         (["consume", "--out", str(tmp_path / "c"), "--endpoint", "http://x"], "endpoint", "ipc://"),
     ]
