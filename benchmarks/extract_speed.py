@@ -51,7 +51,9 @@ from benchmarks import gpu_ring
 from benchmarks.lean_llama import LLAMA_8B, random_llama
 from benchmarks.report import ROOT, Outcome, SuiteSpec
 from hscapture import open_store
-from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
+from hscapture.data import load_samples, padded_length, plan_batches
+from hscapture.extract import ExtractOptions
+from hscapture.integrations.hf import forward_batch, load_model
 from hscapture.tiny import demo_conversations, ensure_tiny_model
 
 GOAL = 0.9
@@ -133,36 +135,31 @@ class PlainForward:
     """The model loaded as ``hscapture extract`` loads it, and extract's batches of the data, for timing."""
 
     def __init__(self, model_dir: Path, data: Path, device: str, max_batch_tokens: int, pad_to_multiple: int) -> None:
-        from hscapture.integrations.hf import load_model
 
         started = time.perf_counter()
         tokenizer, self.model, _ = load_model(model_dir, None, device)
         self.load_seconds = time.perf_counter() - started
         samples = list(load_samples(data, tokenizer))
-        batches = plan_batches(samples, max_batch_tokens, 64, pad_to_multiple)
-        self.shapes = batch_shapes(batches, pad_to_multiple, max_batch_tokens)
-        self.batches = list(zip(batches, (length for _, length in self.shapes)))
+        self.batches = plan_batches(samples, max_batch_tokens, ExtractOptions.max_batch_size, pad_to_multiple)
+        self.shapes = batch_shapes(self.batches, pad_to_multiple, max_batch_tokens)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_to_multiple, self.max_batch_tokens = pad_to_multiple, max_batch_tokens
         self.device = next(self.model.parameters()).device
         self.figures = {
             "pad_to_multiple": pad_to_multiple,
             "samples": len(samples),
             "tokens": sum(len(s.input_ids) for s in samples),
             "padded_tokens": sum(size * length for size, length in self.shapes),
-            "batches": len(batches),
+            "batches": len(self.batches),
             "shapes": len(set(self.shapes)),
         }
 
     def seconds(self) -> float:
-        """One pass over every batch: from the first batch to a synchronize after the last."""
+        """One pass over every batch through extract's own forward call, to a synchronize after the last."""
         self._sync()
         started = time.perf_counter()
-        with torch.inference_mode():
-            for batch, length in self.batches:
-                input_ids, attention_mask = pad_batch(batch, self.pad_id, length)
-                self.model(
-                    input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False
-                )
+        for batch in self.batches:
+            forward_batch(self.model, batch, self.pad_id, self.pad_to_multiple, self.max_batch_tokens)
         self._sync()
         return time.perf_counter() - started
 
@@ -264,7 +261,13 @@ def parse_extractions(text: str) -> list[tuple[int, str]]:
 
 
 def summarize(outcome: Outcome) -> None:
-    """The baseline (the fastest plain pass with PyTorch's default attention) and each extraction's ratios."""
+    """Each extraction's ratios: against the fastest plain pass, and against the plain passes over its own batches.
+
+    Two goals per extraction, both >= 0.9: ``vs_fastest_plain_forward`` (the fastest warm plain pass
+    of any padding, with PyTorch's default attention: the strictest baseline, what a user could get
+    from a bare forward over the same data) and ``vs_plain_same_batches`` (the warm plain pass over
+    the very batches the extraction ran, same padding: the ratio that isolates the capture's cost).
+    """
     results = outcome.results
     plains = {k: v for k, v in results.items() if k.startswith("plain-") and "warm_seconds" in v and v["cudnn_sdp"]}
     if not plains:
@@ -276,11 +279,14 @@ def summarize(outcome: Outcome) -> None:
             continue
         result["ratio"] = round(result["tok_per_s"] / best["warm_tok_per_s"], 4)
         result["ratio_with_startup"] = round(result["tok_per_s_with_startup"] / best["warm_tok_per_s"], 4)
+        goals = {"vs_fastest_plain_forward": result["ratio"]}
         same = plains.get(f"plain-pad{result['pad_to_multiple']}")
         if same is not None:
+            result["ratio_vs_warm_same_pad"] = round(result["tok_per_s"] / same["warm_tok_per_s"], 4)
             result["ratio_vs_cold_same_pad"] = round(result["tok_per_s"] / same["cold_tok_per_s"], 4)
-        goal = {"target": f">= {GOAL}", "value": result["ratio"], "met": result["ratio"] >= GOAL}
-        outcome.goals[f"{key}_vs_fastest_plain_forward"] = goal
+            goals["vs_plain_same_batches"] = result["ratio_vs_warm_same_pad"]
+        for goal, value in goals.items():
+            outcome.goals[f"{key}_{goal}"] = {"target": f">= {GOAL}", "value": value, "met": value >= GOAL}
 
 
 def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outcome:
@@ -342,7 +348,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
             sections.append((f"extract-pad{pad}-{stored}", extraction))
         if not args.no_sdpa_probe:
             samples = list(load_samples(data, tokenizer))
-            batches = plan_batches(samples, args.max_batch_tokens, 64, multiples[0])
+            batches = plan_batches(samples, args.max_batch_tokens, ExtractOptions.max_batch_size, multiples[0])
             shapes = sorted(set(batch_shapes(batches, multiples[0], args.max_batch_tokens)))
             random.Random(0).shuffle(shapes)
             config = AutoConfig.from_pretrained(model_dir)
@@ -372,8 +378,9 @@ def table(record: dict[str, Any]) -> str:
     baseline = results.get("baseline", {})
     best = baseline.get("tok_per_s")
     lines = [
-        "| | pad to | seconds | tok/s | vs fastest plain (warm) | vs plain cold, same pad |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| | pad to | seconds | tok/s | vs fastest plain (warm) | vs plain warm, same batches "
+        "| vs plain cold, same batches |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for key, result in results.items():
         if not key.startswith("plain-") or "cold_seconds" not in result:
@@ -383,9 +390,10 @@ def table(record: dict[str, Any]) -> str:
         for kind, what in (("cold", "cold: fresh process, like extract"), ("warm", "warm: every shape seen")):
             rate = result[f"{kind}_tok_per_s"]
             ratio = _ratio(rate / best) if best else ""
-            same = "1.00" if kind == "cold" else _ratio(rate / result["cold_tok_per_s"])
+            warm = _ratio(rate / result["warm_tok_per_s"])
+            cold = _ratio(rate / result["cold_tok_per_s"])
             seconds = result[f"{kind}_seconds"]
-            lines.append(f"| {label}, {what} | {pad} | {seconds:.1f} | {rate:,.0f} | {ratio} | {same} |")
+            lines.append(f"| {label}, {what} | {pad} | {seconds:.1f} | {rate:,.0f} | {ratio} | {warm} | {cold} |")
     for key, result in results.items():
         if not key.startswith("extract-") or "tok_per_s" not in result:
             continue
@@ -395,7 +403,7 @@ def table(record: dict[str, Any]) -> str:
         lines.append(
             f"| {label} | {result['pad_to_multiple']} | {seconds} | {result['tok_per_s']:,.0f} | "
             f"**{_ratio(result.get('ratio'))}** ({_ratio(result.get('ratio_with_startup'))} with start-up) | "
-            f"{_ratio(result.get('ratio_vs_cold_same_pad'))} |"
+            f"**{_ratio(result.get('ratio_vs_warm_same_pad'))}** | {_ratio(result.get('ratio_vs_cold_same_pad'))} |"
         )
     notes = []
     for key, result in results.items():

@@ -224,6 +224,30 @@ def kept_rows(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(attention_mask.reshape(-1), as_tuple=True)[0]
 
 
+def forward_batch(
+    model: nn.Module, batch: Sequence[Sample], pad_id: int, pad_to_multiple: int, max_batch_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Extraction's forward call over one batch, right-padded as :func:`~hscapture.data.padded_length` says.
+
+    The one code path for ``hscapture extract``'s forward and the extract benchmark's plain forward
+    (the same batches, padding and copies, no hooks), so that their ratio is the capture's cost alone.
+    The inputs are built on the host and copied with ``non_blocking=True``: a pageable source is
+    staged by the driver, with no device synchronization.
+
+    Returns:
+        The host ``(input_ids, attention_mask)`` the model was given, both ``[B, T]``.
+    """
+    device = next(model.parameters()).device
+    input_ids, attention_mask = pad_batch(batch, pad_id, padded_length(batch, pad_to_multiple, max_batch_tokens))
+    with torch.inference_mode():
+        model(
+            input_ids=input_ids.to(device, non_blocking=True),
+            attention_mask=attention_mask.to(device, non_blocking=True),
+            use_cache=False,
+        )
+    return input_ids, attention_mask
+
+
 class HFExtraction:
     """``hscapture extract --engine hf``: right-padded teacher-forced batches through a transformers model.
 
@@ -325,20 +349,15 @@ class HFExtraction:
         """One forward call over a right-padded batch; announce the real rows; finish each request.
 
         Nothing here reads a device tensor: positions, token ids and the kept-row index are built
-        on the host from the samples, and host-to-device copies are non-blocking (a pageable source
-        is staged by the driver, no device synchronization).
+        on the host from the samples, and host-to-device copies are non-blocking (see
+        :func:`forward_batch`).
         """
         assert self.producer is not None, "start first"
         lengths = [len(s.input_ids) for s in batch]
-        width = padded_length(batch, self.pad_to_multiple, self.max_batch_tokens)
-        input_ids, attention_mask = pad_batch(batch, self.pad_id, width)
+        input_ids, attention_mask = forward_batch(
+            self.model, batch, self.pad_id, self.pad_to_multiple, self.max_batch_tokens
+        )
         rows = kept_rows(attention_mask)  # on the host: no device read
-        with torch.inference_mode():
-            self.model(
-                input_ids=input_ids.to(self.device, non_blocking=True),
-                attention_mask=attention_mask.to(self.device, non_blocking=True),
-                use_cache=False,
-            )
         self._wait_for_device()
         self.producer.capture_step(
             self.capture.collect(),
