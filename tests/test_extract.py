@@ -98,6 +98,43 @@ def test_store_matches_one_sample_forward_within_bf16_tolerance(
     assert worst < 2e-2, f"relative L2 {worst:.4f} between batched and single-sample forward"
 
 
+def test_padding_to_a_multiple_stores_the_rows_of_an_unpadded_run(
+    extracted: Path, tiny_model: Path, demo_data: Path, tmp_path: Path
+):
+    """``--pad-to-multiple`` changes only the padded width: the same samples, rows, tokens, positions and masks.
+
+    The hidden states may differ from a run padded to each batch's longest sample only by the
+    numerics of the wider (and differently grouped) batches; nothing of the padding is stored.
+    """
+    unpadded = extract(
+        ExtractOptions(
+            out=tmp_path / "unpadded",
+            model=tiny_model,
+            data=demo_data,
+            max_batch_tokens=BATCH_TOKENS,
+            pad_to_multiple=1,
+            progress=False,
+        )
+    )
+    padded, plain = open_store(extracted), open_store(tmp_path / "unpadded")
+    assert unpadded.store["rows"] == padded.summary()["rows"]
+    assert sorted(plain.keys(complete_only=True)) == sorted(padded.keys(complete_only=True))
+    worst, exact = 0.0, 0
+    for key in plain.keys():
+        want, got = plain.get(key), padded.get(key)
+        assert set(got) == set(want), key
+        for name in ("input_ids", "loss_mask", "positions"):
+            assert torch.equal(got[name], want[name]), (key, name)
+        hidden = [name for name in want if name.startswith("layer_") or name == "last"]
+        assert all(got[name].shape == want[name].shape for name in hidden), key
+        exact += all(torch.equal(got[name], want[name]) for name in hidden)
+        worst = max(worst, *(relative_l2(got[name], want[name]) for name in hidden))
+    print(
+        f"padded to {PAD_TO} vs to the longest: {exact} of {len(plain.keys())} samples bit-identical, worst L2 {worst}"
+    )
+    assert worst < 1e-2, f"relative L2 {worst:.4f} between the padded and the unpadded extraction"
+
+
 def test_loss_mask_covers_exactly_the_assistant_turns(extracted: Path, model_and_tokenizer: tuple):
     _, tokenizer = model_and_tokenizer
     store = open_store(extracted)
