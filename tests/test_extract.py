@@ -119,8 +119,8 @@ def test_padding_to_a_multiple_stores_the_rows_of_an_unpadded_run(
     padded, plain = open_store(extracted), open_store(tmp_path / "unpadded")
     assert unpadded.store["rows"] == padded.summary()["rows"]
     assert sorted(plain.keys(complete_only=True)) == sorted(padded.keys(complete_only=True))
-    worst, exact = 0.0, 0
-    for key in plain.keys():
+    worst, exact, keys = 0.0, 0, plain.keys()
+    for key in keys:
         want, got = plain.get(key), padded.get(key)
         assert set(got) == set(want), key
         for name in ("input_ids", "loss_mask", "positions"):
@@ -129,9 +129,7 @@ def test_padding_to_a_multiple_stores_the_rows_of_an_unpadded_run(
         assert all(got[name].shape == want[name].shape for name in hidden), key
         exact += all(torch.equal(got[name], want[name]) for name in hidden)
         worst = max(worst, *(relative_l2(got[name], want[name]) for name in hidden))
-    print(
-        f"padded to {PAD_TO} vs to the longest: {exact} of {len(plain.keys())} samples bit-identical, worst L2 {worst}"
-    )
+    print(f"padded to {PAD_TO} vs to the longest: {exact} of {len(keys)} samples bit-identical, worst L2 {worst}")
     assert worst < 1e-2, f"relative L2 {worst:.4f} between the padded and the unpadded extraction"
 
 

@@ -253,13 +253,13 @@ class HFExtraction:
 
     Each batch is one forward call; its real rows go to a block-policy producer (padding rows are
     never announced) and each sample is finished with its loss mask. Batches are padded to a
-    multiple of ``pad_to_multiple`` tokens, so a run meets few distinct shapes (some kernels, such as
-    cuDNN attention, build a plan for each new one). The host never waits for the device inside a
-    batch: inputs and the kept-row index go over with non-blocking copies built from host values, so
-    the host queues batch N+1 while the device runs batch N. It does wait, before writing a batch's
-    rows, until the device has finished the batch before the previous one (a CUDA event): the host
-    stays at most one batch ahead, and a wait for ring credit then means the consumer (the disk) is
-    behind, never that the device is.
+    multiple of ``pad_to_multiple`` tokens, so a run meets few distinct shapes (a fresh process pays
+    a one-time cost for each new one; ``benchmarks/sdpa_shapes.py`` measures attention's share).
+    The host never waits for the device inside a batch: inputs and the kept-row index go over with
+    non-blocking copies built from host values, so the host queues batch N+1 while the device runs
+    batch N. It does wait, before writing a batch's rows, until the device has finished the batch
+    before the previous one (a CUDA event): the host stays at most one batch ahead, and a wait for
+    ring credit then means the consumer (the disk) is behind, never that the device is.
 
     Args:
         model: HF model directory (None: the embedded tiny Llama).
