@@ -344,7 +344,8 @@ def _extract(args: argparse.Namespace) -> int:
         return 1
     print(
         f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
-        f"({summary.tokens_per_s:.0f} tok/s); {summary.skipped} were already there\n"
+        f"({summary.tokens_per_s:.0f} tok/s; the consumer took {summary.startup_seconds:.1f} s to start before); "
+        f"{summary.skipped} were already there\n"
         f"store {options.out}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
         f"{store['rows']} rows, {store['shards']} shards, {store['bytes'] / MiB:.1f} MiB, "
         f"{store['rows_dropped']} rows dropped\n"

@@ -389,36 +389,75 @@ def loss_mask_ranges(mask: Sequence[int]) -> list[tuple[int, int]]:
     return ranges
 
 
-def plan_batches(samples: Sequence[Sample], max_batch_tokens: int, max_batch_size: int) -> list[list[Sample]]:
+def check_batching(max_batch_tokens: int, max_batch_size: int, pad_to_multiple: int, as_flags: bool = False) -> None:
+    """Raise ValueError unless the batching limits are positive integers, naming them as flags or as arguments."""
+    for name, value in (
+        ("max_batch_tokens", max_batch_tokens),
+        ("max_batch_size", max_batch_size),
+        ("pad_to_multiple", pad_to_multiple),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            shown = "--" + name.replace("_", "-") if as_flags else f"plan_batches: {name}"
+            raise ValueError(f"{shown} must be a positive integer, got {value!r}")
+
+
+def padded_length(batch: Sequence[Sample], pad_to_multiple: int = 1, max_batch_tokens: int | None = None) -> int:
+    """The length a batch is padded to: its longest sample rounded up to a multiple of ``pad_to_multiple``.
+
+    Each new padded length is a new shape for the model, and some kernels pay a one-time cost per
+    shape (cuDNN attention builds an execution plan for each ``[batch, heads, length]`` it meets);
+    rounding lengths up makes a run meet far fewer shapes for a little more padding. The rounding
+    never takes a batch past ``max_batch_tokens`` padded tokens: a lone sample whose rounded
+    length would exceed it is padded to ``max_batch_tokens`` (or not at all, when it is longer).
+
+    Args:
+        batch: Samples of one forward call (not empty).
+        pad_to_multiple: Round the length up to a multiple of this (1: pad to the longest sample).
+        max_batch_tokens: The padded-token budget the batch was planned with (None: no cap).
+
+    Returns:
+        The padded length ``T``, at least the longest sample's length.
+    """
+    longest = max(len(s.input_ids) for s in batch)
+    rounded = -(-longest // pad_to_multiple) * pad_to_multiple
+    if max_batch_tokens is not None:
+        rounded = min(rounded, max(longest, max_batch_tokens // len(batch)))
+    return rounded
+
+
+def plan_batches(
+    samples: Sequence[Sample], max_batch_tokens: int, max_batch_size: int, pad_to_multiple: int = 1
+) -> list[list[Sample]]:
     """Group samples into forward calls, bounding the padded size of each.
 
-    Greedy and order-preserving: a batch grows while ``len(batch) * longest_in_batch <=
-    max_batch_tokens`` and ``len(batch) <= max_batch_size``; a sample longer than
+    Greedy and order-preserving: a batch grows while ``len(batch) * padded_length(batch) <=
+    max_batch_tokens`` (the longest sample rounded up to ``pad_to_multiple``, see
+    :func:`padded_length`) and ``len(batch) <= max_batch_size``; a sample longer than
     ``max_batch_tokens`` goes alone in its own batch. The plan depends only on the inputs, so the
     same samples and limits always give the same batches (tests rely on this to replay the exact
     forward calls).
 
     Args:
         samples: Samples in the order to run them.
-        max_batch_tokens: Budget of padded tokens (batch size x longest sample) per batch.
+        max_batch_tokens: Budget of padded tokens (batch size x padded length) per batch.
         max_batch_size: Most samples in one batch.
+        pad_to_multiple: Batches are padded to a multiple of this many tokens (1: to the longest sample).
 
     Returns:
         Batches whose concatenation is ``samples`` in order.
 
     Raises:
-        ValueError: If either limit is not a positive integer.
+        ValueError: If a limit or the multiple is not a positive integer.
     """
-    for name, value in (("max_batch_tokens", max_batch_tokens), ("max_batch_size", max_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"plan_batches: {name} must be a positive integer, got {value!r}")
+    check_batching(max_batch_tokens, max_batch_size, pad_to_multiple)
     batches: list[list[Sample]] = []
     batch: list[Sample] = []
     longest = 0
     for sample in samples:
         n = len(sample.input_ids)
         grown = max(longest, n)
-        if batch and ((len(batch) + 1) * grown > max_batch_tokens or len(batch) + 1 > max_batch_size):
+        rounded = -(-grown // pad_to_multiple) * pad_to_multiple
+        if batch and ((len(batch) + 1) * rounded > max_batch_tokens or len(batch) + 1 > max_batch_size):
             batches.append(batch)
             batch, grown = [], n
         batch.append(sample)
@@ -428,23 +467,27 @@ def plan_batches(samples: Sequence[Sample], max_batch_tokens: int, max_batch_siz
     return batches
 
 
-def pad_batch(batch: Sequence[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(batch: Sequence[Sample], pad_id: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad a batch into the tensors a Hugging Face model takes.
 
     Args:
         batch: Samples of one forward call.
         pad_id: Token id written into padding positions (masked out by ``attention_mask``).
+        length: Padded length ``T`` (see :func:`padded_length`); None: the longest sample's.
 
     Returns:
-        ``(input_ids, attention_mask)``, both int64 of shape ``[B, T]`` with ``T`` the longest
-        sample; ``attention_mask`` is 1 on real tokens and 0 on padding.
+        ``(input_ids, attention_mask)``, both int64 of shape ``[B, T]``; ``attention_mask`` is 1 on
+        real tokens and 0 on padding.
 
     Raises:
-        ValueError: If ``batch`` is empty.
+        ValueError: If ``batch`` is empty, or ``length`` is shorter than its longest sample.
     """
     if not batch:
         raise ValueError("pad_batch: batch is empty; pass at least one Sample")
-    width = max(len(s.input_ids) for s in batch)
+    longest = max(len(s.input_ids) for s in batch)
+    width = longest if length is None else length
+    if width < longest:
+        raise ValueError(f"pad_batch: length {length} is shorter than the longest sample ({longest} tokens)")
     input_ids = torch.full((len(batch), width), int(pad_id), dtype=torch.int64)
     attention_mask = torch.zeros((len(batch), width), dtype=torch.int64)
     for row, sample in enumerate(batch):

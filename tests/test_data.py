@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 from hscapture import tiny
 from hscapture.data import (
     Sample,
+    check_batching,
     load_samples,
     pad_batch,
+    padded_length,
     plan_batches,
     read_records,
     record_key,
@@ -410,26 +412,54 @@ def test_plan_batches_rejects_bad_limits() -> None:
         plan_batches(make([1]), 0, 1)
     with pytest.raises(ValueError, match="max_batch_size must be a positive integer, got -1"):
         plan_batches(make([1]), 10, -1)
+    with pytest.raises(ValueError, match="plan_batches: pad_to_multiple must be a positive integer, got 0"):
+        plan_batches(make([1]), 10, 1, 0)
+    with pytest.raises(ValueError, match="--pad-to-multiple must be a positive integer, got True"):
+        check_batching(10, 1, True, as_flags=True)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 80), max_size=40),
     max_batch_tokens=st.integers(1, 200),
     max_batch_size=st.integers(1, 8),
+    pad_to_multiple=st.sampled_from([1, 1, 3, 8, 64]),
 )
-def test_plan_batches_properties(lengths: list[int], max_batch_tokens: int, max_batch_size: int) -> None:
+def test_plan_batches_properties(
+    lengths: list[int], max_batch_tokens: int, max_batch_size: int, pad_to_multiple: int
+) -> None:
     samples = make(lengths)
-    plan = plan_batches(samples, max_batch_tokens, max_batch_size)
+    plan = plan_batches(samples, max_batch_tokens, max_batch_size, pad_to_multiple)
     assert [s for b in plan for s in b] == samples  # order kept, nothing lost
-    assert plan == plan_batches(samples, max_batch_tokens, max_batch_size)
+    assert plan == plan_batches(samples, max_batch_tokens, max_batch_size, pad_to_multiple)
+
+    def rounded(batch: list[Sample]) -> int:
+        return -(-max(len(s.input_ids) for s in batch) // pad_to_multiple) * pad_to_multiple
+
     for i, batch in enumerate(plan):
         widest = max(len(s.input_ids) for s in batch)
+        width = padded_length(batch, pad_to_multiple, max_batch_tokens)
         assert 1 <= len(batch) <= max_batch_size
         assert len(batch) * widest <= max_batch_tokens or len(batch) == 1
+        # --max-batch-tokens bounds the padded batch, rounding included; only a sample longer than it exceeds it
+        assert len(batch) * width <= max(max_batch_tokens, widest)
+        assert width >= widest and (width % pad_to_multiple == 0 or width in (widest, max_batch_tokens))
+        if len(batch) > 1:
+            assert width == rounded(batch)
         if i + 1 < len(plan):  # greedy: the next sample did not fit
             grown = [*batch, plan[i + 1][0]]
-            assert len(grown) > max_batch_size or len(grown) * max(len(s.input_ids) for s in grown) > max_batch_tokens
+            assert len(grown) > max_batch_size or len(grown) * rounded(grown) > max_batch_tokens
+
+
+def test_padded_length_rounds_up_within_the_budget() -> None:
+    assert padded_length(make([3, 1, 4])) == 4
+    assert padded_length(make([3, 1, 4]), 64) == 64
+    assert padded_length(make([65, 2]), 64, 4096) == 128
+    assert padded_length(make([990]), 64, 1000) == 1000  # a lone sample: rounded, but never past the budget
+    assert padded_length(make([1200]), 64, 1000) == 1200  # longer than the budget: not padded at all
+    # the same samples planned with rounding: two of 600 tokens no longer fit 1200 once rounded to 640
+    assert [len(b) for b in plan_batches(make([600, 600]), 1200, 8, 64)] == [1, 1]
+    assert [len(b) for b in plan_batches(make([600, 600]), 1200, 8)] == [2]
 
 
 def test_pad_batch() -> None:
@@ -441,6 +471,11 @@ def test_pad_batch() -> None:
     assert attention_mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
     with pytest.raises(ValueError, match="batch is empty"):
         pad_batch([], 0)
+    input_ids, attention_mask = pad_batch(batch, pad_id=99, length=6)
+    assert input_ids.tolist() == [[1, 2, 3, 99, 99, 99], [1, 99, 99, 99, 99, 99], [1, 2, 3, 4, 99, 99]]
+    assert attention_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]]
+    with pytest.raises(ValueError, match="length 3 is shorter than the longest sample"):
+        pad_batch(batch, 0, length=3)
 
 
 def test_sample_rejects_misaligned_mask() -> None:

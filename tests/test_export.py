@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hscapture import open_store
-from hscapture.data import load_samples, pad_batch, plan_batches
+from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
 from hscapture.export import MANIFEST, ExportOptions, export
 from hscapture.extract import ExtractOptions, extract
 from hscapture.tiny import write_demo_jsonl
@@ -287,8 +287,10 @@ def test_layer_L_is_the_final_norms_input(store_dir: Path, demo_data: Path, tiny
     handle = model.model.norm.register_forward_pre_hook(lambda _module, args: norm_inputs.append(args[0]))
     checked = 0
     try:
-        for batch in plan_batches(list(load_samples(demo_data, tokenizer)), BATCH_TOKENS, 64):
-            input_ids, attention_mask = pad_batch(batch, tokenizer.pad_token_id)
+        pad_to = ExtractOptions.pad_to_multiple  # the store holds the rows of the batches extract ran
+        for batch in plan_batches(list(load_samples(demo_data, tokenizer)), BATCH_TOKENS, 64, pad_to):
+            width = padded_length(batch, pad_to, BATCH_TOKENS)
+            input_ids, attention_mask = pad_batch(batch, tokenizer.pad_token_id, width)
             with torch.inference_mode():
                 model(input_ids=input_ids, attention_mask=attention_mask)
             entering_norm = norm_inputs.pop()

@@ -14,12 +14,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hscapture import open_store
-from hscapture.data import load_samples, pad_batch, plan_batches
+from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
 from hscapture.extract import ExtractOptions, extract
 from hscapture.integrations.hf import eagle3_default_layers
 from hscapture.tiny import write_demo_jsonl
 
 BATCH_TOKENS = 1024
+PAD_TO = ExtractOptions.pad_to_multiple  # the default: the store must hold the rows of the batches extract ran
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +57,11 @@ def test_store_equals_hf_output_hidden_states_bitwise(extracted: Path, demo_data
     samples = list(load_samples(demo_data, tokenizer))
     assert sorted(store.keys(complete_only=True)) == sorted(s.key for s in samples)
     checked = 0
-    for batch in plan_batches(samples, BATCH_TOKENS, 64):
-        input_ids, attention_mask = pad_batch(batch, tokenizer.pad_token_id)
+    widths = set()
+    for batch in plan_batches(samples, BATCH_TOKENS, 64, PAD_TO):
+        width = padded_length(batch, PAD_TO, BATCH_TOKENS)
+        widths.add(width)
+        input_ids, attention_mask = pad_batch(batch, tokenizer.pad_token_id, width)
         with torch.inference_mode():
             hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
         for i, sample in enumerate(batch):
@@ -72,6 +76,7 @@ def test_store_equals_hf_output_hidden_states_bitwise(extracted: Path, demo_data
             assert got["positions"].tolist() == list(range(n))
             checked += 1
     assert checked == 200
+    assert PAD_TO > 1 and all(w % PAD_TO == 0 for w in widths), widths  # the batches were padded past their longest
     total = sum(len(s.input_ids) for s in samples)
     assert store.summary()["rows"] == total, "padding rows were stored"
 
@@ -91,6 +96,41 @@ def test_store_matches_one_sample_forward_within_bf16_tolerance(
         worst = max(worst, relative_l2(got["last"], hidden[-1][0]))
     print(f"worst relative L2 batched vs single: {worst:.5f}")
     assert worst < 2e-2, f"relative L2 {worst:.4f} between batched and single-sample forward"
+
+
+def test_padding_to_a_multiple_stores_the_rows_of_an_unpadded_run(
+    extracted: Path, tiny_model: Path, demo_data: Path, tmp_path: Path
+):
+    """``--pad-to-multiple`` changes only the padded width: the same samples, rows, tokens, positions and masks.
+
+    The hidden states may differ from a run padded to each batch's longest sample only by the
+    numerics of the wider (and differently grouped) batches; nothing of the padding is stored.
+    """
+    unpadded = extract(
+        ExtractOptions(
+            out=tmp_path / "unpadded",
+            model=tiny_model,
+            data=demo_data,
+            max_batch_tokens=BATCH_TOKENS,
+            pad_to_multiple=1,
+            progress=False,
+        )
+    )
+    padded, plain = open_store(extracted), open_store(tmp_path / "unpadded")
+    assert unpadded.store["rows"] == padded.summary()["rows"]
+    assert sorted(plain.keys(complete_only=True)) == sorted(padded.keys(complete_only=True))
+    worst, exact, keys = 0.0, 0, plain.keys()
+    for key in keys:
+        want, got = plain.get(key), padded.get(key)
+        assert set(got) == set(want), key
+        for name in ("input_ids", "loss_mask", "positions"):
+            assert torch.equal(got[name], want[name]), (key, name)
+        hidden = [name for name in want if name.startswith("layer_") or name == "last"]
+        assert all(got[name].shape == want[name].shape for name in hidden), key
+        exact += all(torch.equal(got[name], want[name]) for name in hidden)
+        worst = max(worst, *(relative_l2(got[name], want[name]) for name in hidden))
+    print(f"padded to {PAD_TO} vs to the longest: {exact} of {len(keys)} samples bit-identical, worst L2 {worst}")
+    assert worst < 1e-2, f"relative L2 {worst:.4f} between the padded and the unpadded extraction"
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(extracted: Path, model_and_tokenizer: tuple):
@@ -158,6 +198,7 @@ def test_cli_bad_configuration_fails_fast_with_clear_messages(tiny_model: Path, 
         ([*base, "--out", str(tmp_path / "a"), "--layers", "2,99"], "[99] out of range", "0..8"),
         ([*base, "--out", str(demo_data / "sub")], "--out", "not writable"),
         ([*base, "--out", str(tmp_path / "b"), "--dtype", "int8"], "--dtype", "not supported"),
+        ([*base, "--out", str(tmp_path / "p"), "--pad-to-multiple", "0"], "--pad-to-multiple", "positive integer"),
         (["consume", "--out", str(demo_data / "sub")], "out_dir", "not writable"),
         (["consume", "--out", str(tmp_path / "c"), "--endpoint", "http://x"], "endpoint", "ipc://"),
     ]

@@ -235,7 +235,7 @@ def test_offline_extraction_on_gpu_is_bitwise_hf(tiny_model: Path, tmp_path: Pat
     """`extract --device cuda` goes through the CUDA ring and stores HF's own hidden states, bit for bit."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hscapture.data import load_samples, pad_batch, plan_batches
+    from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
     from hscapture.extract import ExtractOptions, extract
     from hscapture.tiny import write_demo_jsonl
 
@@ -246,8 +246,9 @@ def test_offline_extraction_on_gpu_is_bitwise_hf(tiny_model: Path, tmp_path: Pat
     model = AutoModelForCausalLM.from_pretrained(tiny_model).cuda().eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     store = open_store(out)
-    for batch in plan_batches(list(load_samples(data, tokenizer)), 4096, 64):
-        ids, mask = pad_batch(batch, tokenizer.pad_token_id)
+    pad_to = ExtractOptions.pad_to_multiple  # the store holds the rows of the batches extract ran
+    for batch in plan_batches(list(load_samples(data, tokenizer)), 4096, 64, pad_to):
+        ids, mask = pad_batch(batch, tokenizer.pad_token_id, padded_length(batch, pad_to, 4096))
         with torch.inference_mode():
             hidden = model(input_ids=ids.cuda(), attention_mask=mask.cuda(), output_hidden_states=True).hidden_states
         for i, sample in enumerate(batch):
@@ -256,3 +257,46 @@ def test_offline_extraction_on_gpu_is_bitwise_hf(tiny_model: Path, tmp_path: Pat
                 assert torch.equal(got[f"layer_{k}"], hidden[k][i, :n].cpu()), (sample.key, k)
             assert torch.equal(got["last"], hidden[-1][i, :n].cpu())
             assert got["input_ids"].tolist() == sample.input_ids
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_extraction_batches_never_wait_for_the_gpu_in_our_code(
+    tiny_model: Path, tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    """``HFExtraction.run`` makes no synchronizing CUDA call of its own: the host can queue the next batch.
+
+    Every batch runs under ``torch.cuda.set_sync_debug_mode("warn")``; each synchronizing call warns
+    from the Python line that made it. None may come from hscapture; those of transformers' own
+    forward (its mask code reads a device tensor) are printed, not asserted: they are not ours.
+    """
+    import warnings
+
+    import hscapture
+    from hscapture.data import load_samples
+    from hscapture.integrations.hf import HFExtraction
+    from hscapture.tiny import write_demo_jsonl
+
+    engine = HFExtraction(tiny_model, None, True, None, "cuda", 1024, 64, 64)
+    try:
+        batches = engine.plan(list(load_samples(write_demo_jsonl(tmp_path / "demo.jsonl", n=40), engine.tokenizer)))
+        consumer = start_consumer(tmp_path / "store", endpoint, "--exit-on-eos")
+        engine.start(endpoint, {}, lambda: None)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for batch in batches:
+                    engine.run(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        engine.end()
+        assert consumer.wait(60) == 0
+    finally:
+        engine.shutdown()
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    ours = [f"{w.filename}:{w.lineno}" for w in syncs if w.filename.startswith(str(Path(hscapture.__file__).parent))]
+    assert not ours, f"hscapture code synchronized with the GPU: {ours}"
+    theirs = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+    print(f"{len(syncs)} synchronizing calls in {len(batches)} batches, none ours; from {theirs}")
+    assert open_store(tmp_path / "store").summary()["complete"] == 40

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from torch import nn
 
 from hscapture.config import DTYPES, CaptureConfig, MiB, check_layer_ids, dtype_name
 from hscapture.config import eagle3_default_layers as eagle3_default_layers  # extract and tests import it here
-from hscapture.data import Sample, loss_mask_ranges, pad_batch, plan_batches
+from hscapture.data import Sample, check_batching, loss_mask_ranges, pad_batch, padded_length, plan_batches
 from hscapture.errors import HSCaptureError
 from hscapture.producer import Producer
 
@@ -223,12 +224,42 @@ def kept_rows(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(attention_mask.reshape(-1), as_tuple=True)[0]
 
 
+def forward_batch(
+    model: nn.Module, batch: Sequence[Sample], pad_id: int, pad_to_multiple: int, max_batch_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Extraction's forward call over one batch, right-padded as :func:`~hscapture.data.padded_length` says.
+
+    The one code path for ``hscapture extract``'s forward and the extract benchmark's plain forward
+    (the same batches, padding and copies, no hooks), so that their ratio is the capture's cost alone.
+    The inputs are built on the host and copied with ``non_blocking=True``: a pageable source is
+    staged by the driver, with no device synchronization.
+
+    Returns:
+        The host ``(input_ids, attention_mask)`` the model was given, both ``[B, T]``.
+    """
+    device = next(model.parameters()).device
+    input_ids, attention_mask = pad_batch(batch, pad_id, padded_length(batch, pad_to_multiple, max_batch_tokens))
+    with torch.inference_mode():
+        model(
+            input_ids=input_ids.to(device, non_blocking=True),
+            attention_mask=attention_mask.to(device, non_blocking=True),
+            use_cache=False,
+        )
+    return input_ids, attention_mask
+
+
 class HFExtraction:
     """``hscapture extract --engine hf``: right-padded teacher-forced batches through a transformers model.
 
     Each batch is one forward call; its real rows go to a block-policy producer (padding rows are
-    never announced) and each sample is finished with its loss mask. The forward of the next batch
-    waits for nothing but ring credit: the consumer releases a slot as soon as it copied it out.
+    never announced) and each sample is finished with its loss mask. Batches are padded to a
+    multiple of ``pad_to_multiple`` tokens, so a run meets few distinct shapes (a fresh process pays
+    a one-time cost for each new one; ``benchmarks/sdpa_shapes.py`` measures attention's share).
+    The host never waits for the device inside a batch: inputs and the kept-row index go over with
+    non-blocking copies built from host values, so the host queues batch N+1 while the device runs
+    batch N. It does wait, before writing a batch's rows, until the device has finished the batch
+    before the previous one (a CUDA event): the host stays at most one batch ahead, and a wait for
+    ring credit then means the consumer (the disk) is behind, never that the device is.
 
     Args:
         model: HF model directory (None: the embedded tiny Llama).
@@ -238,9 +269,11 @@ class HFExtraction:
         device: where the model runs; ``cuda`` models get the CUDA ring.
         max_batch_tokens: padded tokens per forward call.
         max_batch_size: samples per forward call.
+        pad_to_multiple: pad each batch's length up to a multiple of this (1: to its longest sample).
 
     Raises:
-        ValueError: no model there, a bad dtype or a layer id out of range.
+        ValueError: a batch limit is not a positive integer, no model there, a bad dtype or a layer
+            id out of range.
     """
 
     def __init__(
@@ -252,7 +285,9 @@ class HFExtraction:
         device: str,
         max_batch_tokens: int,
         max_batch_size: int,
+        pad_to_multiple: int = 1,
     ) -> None:
+        check_batching(max_batch_tokens, max_batch_size, pad_to_multiple, as_flags=True)  # before the model loads
         self.tokenizer, self.model, path = load_model(model, dtype, device)
         num_layers = self.model.config.num_hidden_layers
         self.layers = tuple(layers) if layers is not None else eagle3_default_layers(num_layers)
@@ -261,14 +296,17 @@ class HFExtraction:
         self.device = next(self.model.parameters()).device
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
+        self.pad_to_multiple = pad_to_multiple
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.meta: dict[str, Any] = {"engine": "hf", "model": str(path), "dtype": self.dtype}
         self.producer: Producer | None = None
         self._longest = 1
+        # The device's progress: one event per batch, recorded after its rows were written (CUDA only).
+        self._batch_done: deque[torch.cuda.Event] = deque()
 
     def plan(self, samples: Sequence[Sample]) -> list[list[Sample]]:
         self._longest = max(len(s.input_ids) for s in samples)
-        return plan_batches(samples, self.max_batch_tokens, self.max_batch_size)
+        return plan_batches(samples, self.max_batch_tokens, self.max_batch_size, self.pad_to_multiple)
 
     def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
         capture = self.capture
@@ -308,27 +346,43 @@ class HFExtraction:
         )
 
     def run(self, batch: list[Sample]) -> int:
-        """One forward call over a right-padded batch; announce the real rows; finish each request."""
+        """One forward call over a right-padded batch; announce the real rows; finish each request.
+
+        Nothing here reads a device tensor: positions, token ids and the kept-row index are built
+        on the host from the samples, and host-to-device copies are non-blocking (see
+        :func:`forward_batch`).
+        """
         assert self.producer is not None, "start first"
-        input_ids, attention_mask = pad_batch(batch, self.pad_id)
-        with torch.inference_mode():
-            self.model(
-                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False
-            )
         lengths = [len(s.input_ids) for s in batch]
+        input_ids, attention_mask = forward_batch(
+            self.model, batch, self.pad_id, self.pad_to_multiple, self.max_batch_tokens
+        )
+        rows = kept_rows(attention_mask)  # on the host: no device read
+        self._wait_for_device()
         self.producer.capture_step(
             self.capture.collect(),
             request_ids=[s.key for s in batch],
             request_rows=lengths,
             positions=torch.cat([torch.arange(n) for n in lengths]),
-            token_ids=torch.cat([torch.tensor(s.input_ids) for s in batch]),
-            row_index=kept_rows(attention_mask).to(self.device),
+            token_ids=input_ids.reshape(-1)[rows],
+            row_index=rows.to(self.device, non_blocking=True),
         )
+        if self.device.type == "cuda":
+            self._batch_done.append(torch.cuda.Event())
+            self._batch_done[-1].record()
         for sample in batch:
             self.producer.finish_request(
                 sample.key, num_tokens=len(sample.input_ids), loss_mask=loss_mask_ranges(sample.loss_mask)
             )
         return sum(lengths)
+
+    def _wait_for_device(self) -> None:
+        """Let the host run at most one batch ahead: wait until the device has finished the batch before last.
+
+        The forward just queued keeps the device busy meanwhile, so this never idles it.
+        """
+        while len(self._batch_done) > 1:
+            self._batch_done.popleft().synchronize()
 
     def waited_s(self) -> float | None:
         return None if self.producer is None else self.producer.counters.credit_wait_us / 1e6
