@@ -66,7 +66,7 @@ class SyncCapture(SGLangCapture):
     """The forward hook as it was: token ids read from the device at once, rows announced at once."""
 
     def _capture(self, worker: Any, batch: Any, output: Any) -> None:
-        rows = self._rows(batch)
+        rows = self._batch_rows(batch)
         aux, hidden = output.hidden_states, self.producer.config.hidden_size
         states = [*aux.view(rows.total, -1, hidden).unbind(1), output.last_hidden_states]
         tokens = batch.input_ids.cpu()  # what Producer.capture_step did with a device tensor: waits
