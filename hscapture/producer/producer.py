@@ -32,7 +32,6 @@ import itertools
 import logging
 import os
 import secrets
-import select
 import time
 import uuid
 from collections import deque
@@ -201,12 +200,6 @@ class Producer:
             raise
         self._poller = zmq.Poller()
         self._poller.register(self._release, zmq.POLLIN)
-        # libzmq's signal fd of the release socket: readable whenever it has news (a message arrived, a peer
-        # came or went). Once a drain has read the socket empty, no message arrives without it turning
-        # readable (ZMQ_FD's contract), so an idle check is one poll(2), not a getsockopt.
-        self._signal = select.poll()
-        self._signal.register(self._release.get(zmq.FD), select.POLLIN)
-        self._drained = False  # nothing read yet: the first drain asks the socket
 
     # ------------------------------------------------------------------ engine-facing API
 
@@ -676,21 +669,16 @@ class Producer:
 
     def _wait_control(self) -> None:
         if self._poller.poll(_POLL_MS):
-            self._drained = False  # the poll took the fd's signal: read the socket whatever the fd says now
             self._drain_control()
 
     def _drain_control(self) -> None:
-        if self._drained and not self._signal.poll(0):
-            return
-        # Until this loop has read the socket empty (an error may leave messages behind), the fd proves nothing.
-        self._drained = False
         # Asking for EVENTS is far cheaper than a recv that raises zmq.Again on every step; the
         # flag is a plain int here (zmq.POLLIN is an IntFlag, whose `&` runs in Python).
         while self._release.get(zmq.EVENTS) & _POLLIN:
             try:
                 data = self._release.recv(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return
             try:
                 message = protocol.decode_to_producer(data)
                 if isinstance(message, protocol.Release):
@@ -700,7 +688,6 @@ class Producer:
             except ProtocolError as exc:
                 self.counters.messages_rejected += 1
                 log.warning("rejected message on release socket: %s", exc)
-        self._drained = True
 
     def _on_release(self, message: protocol.Release) -> None:
         flight = self._in_flight.get(message.slot)
