@@ -22,8 +22,9 @@ Two variants, batch size by batch size, alternating, with the same producer and 
 
 Reported per batch size and variant: host µs per decode step in the hooks (``after_forward``
 plus ``after_batch_result`` of one loop turn; median and p90 over ``--steps`` steps, warm-up
-excluded, no synchronize inside the timed region), each hook's median, host-device syncs per
-step (counted under ``torch.cuda.set_sync_debug_mode("warn")`` over a few untimed steps), and
+excluded, no synchronize inside the timed region; ``--clock thread`` counts this thread's CPU
+time instead, for a shared CPU host where preemption swamps the wall clock), each hook's median,
+host-device syncs per step (counted under ``torch.cuda.set_sync_debug_mode("warn")`` over a few untimed steps), and
 rows dropped; then a cProfile of ``deferred``'s hooks at batch 64 (untimed steps), so the next
 optimisation starts from a measurement. The goal: ``deferred`` at batch 64 takes at most 40 µs
 per step.
@@ -66,7 +67,7 @@ class SyncCapture(SGLangCapture):
     """The forward hook as it was: token ids read from the device at once, rows announced at once."""
 
     def _capture(self, worker: Any, batch: Any, output: Any) -> None:
-        rows = self._rows(batch)
+        rows = self._batch_rows(batch)
         aux, hidden = output.hidden_states, self.producer.config.hidden_size
         states = [*aux.view(rows.total, -1, hidden).unbind(1), output.last_hidden_states]
         tokens = batch.input_ids.cpu()  # what Producer.capture_step did with a device tensor: waits
@@ -91,7 +92,8 @@ def _ints(text: str) -> tuple[int, ...]:
 class _Clock:
     """Wraps each hook call: adds its host time to the current loop turn, or counts its syncs."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], int] = time.perf_counter_ns) -> None:
+        self.now = now
         self.turn = {"after_forward": 0, "after_batch_result": 0}
         self.count_syncs = False
         self.syncs = 0
@@ -111,9 +113,9 @@ class _Clock:
             torch.cuda.set_sync_debug_mode("default")
             self.syncs += sum("synchroniz" in str(w.message) for w in caught)
             return
-        started = time.perf_counter_ns()
+        started = self.now()
         call()
-        self.turn[name] += time.perf_counter_ns() - started
+        self.turn[name] += self.now() - started
 
     def take(self) -> tuple[int, int]:
         turn = self.turn["after_forward"], self.turn["after_batch_result"]
@@ -125,7 +127,7 @@ def measure(
     capture: SGLangCapture, batch: int, args: argparse.Namespace, first: int, profile: bool = False
 ) -> dict[str, Any]:
     """Decode ``batch`` requests with ``capture``'s hooks; host time per decode step."""
-    clock = _Clock()
+    clock = _Clock(time.thread_time_ns if args.clock == "thread" else time.perf_counter_ns)
     profile_steps = args.steps if profile else 0
     total_steps = args.warmup + args.sync_steps + args.steps + profile_steps
     plans = [
@@ -197,9 +199,17 @@ def main() -> None:
     parser.add_argument(
         "--queued-ms", type=float, default=1.4, help="GPU work queued in each forward (CPU: a sleep between steps)"
     )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="time the hooks by the wall clock, or by this thread's CPU time (a shared CPU host: no preemption)",
+    )
     parser.add_argument("--chunk", type=int, default=256, help="prefill tokens per batch")
     parser.add_argument("--out", type=Path, help="JSON result (default results/sglang-hooks-<device>.json)")
     args = parser.parse_args()
+    if args.device == "cpu":  # a host ring's copy would split across OpenMP threads, whose spin-wait the clock counts
+        torch.set_num_threads(1)
     out = args.out or RESULTS / f"sglang-hooks-{'h200' if args.device == 'cuda' else 'cpu'}.json"
     endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/sglang-hooks-{os.getpid()}"
     row_bytes = (len(LAYERS) + 1) * args.hidden * 2

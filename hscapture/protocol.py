@@ -102,7 +102,8 @@ class Chunk(Message, tag="chunk"):
     The slot holds ``[num_tensors, row_stride or rows, hidden]`` from ``offset``. Rows of one
     request are contiguous: request ``request_ids[i]`` owns the next ``request_rows[i]`` rows.
     ``positions`` and ``token_ids`` are int64 arrays of length ``rows``. ``dropped_rows`` and
-    ``lost_rows`` are the producer's running totals when it sent this chunk.
+    ``lost_rows`` are the producer's running totals when it sent this chunk. A sender may set
+    ``request_ids`` and ``request_rows`` to their :func:`encoded` form: the bytes are the same.
     """
 
     seq: int
@@ -175,6 +176,12 @@ _DECODE_FAULTS = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 def encode(message: Message) -> bytes:
     return _encoder.encode(message)
+
+
+def encoded(value: Any) -> msgspec.Raw:
+    """``value`` encoded once, for a field a sender repeats in many messages (the request ids of
+    a decode batch that stays the same): a ``msgspec.Raw`` field value is written as it is."""
+    return msgspec.Raw(_encoder.encode(value))
 
 
 def decode_to_producer(data: bytes) -> Hello | Release:

@@ -87,6 +87,45 @@ def test_block_refuses_to_wait_for_slots_only_it_holds(
     assert consumer.wait(60) == 0
 
 
+def test_tensors_given_side_by_side_are_stored_as_given_one_by_one(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    """SGLang's aux layers come as one [N, layers * hidden] tensor: whole, split over slots, with
+    kept rows, and a decode batch's same owner tuples step after step."""
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    producer = make_producer(make_config(endpoint, policy="block", slots=4, rows_per_slot=8))
+    wait_attached(producer)
+
+    def side_by_side(states: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.cat(states[:-1], dim=1), states[-1]]
+
+    prefill = rows(12, 0)  # rows 0 and 7 are padding: 10 kept rows, two slots
+    keep = torch.tensor([1, 2, 3, 4, 5, 6, 8, 9, 10, 11])
+    assert (
+        producer.capture_step(side_by_side(prefill), ["a", "b"], [4, 6], [0, 1, 2, 3, *range(6)], list(range(10)), keep)
+        == 10
+    )
+    ids, ones = ("a", "b"), (1, 1)
+    for i in range(3):  # the same tuples each step: checked and encoded once
+        step = producer.write_step(side_by_side(rows(2, 1 + i)), ids, ones)
+        assert producer.announce_step(step, [4 + i, 6 + i], [50 + i, 60 + i]) == 2
+    with pytest.raises(ValueError, match=rf"states\[layer_.*\]: planned \[2, {HIDDEN}\], got \[2, {HIDDEN + 1}\]"):
+        producer.write_step([torch.zeros(2, HIDDEN + 1), *rows(2, 0)[1:]], ids, ones)
+    with pytest.raises(ValueError, match=f"states: planned {NUM_TENSORS} tensors"):
+        producer.write_step([torch.cat(rows(2, 0), dim=1), rows(2, 0)[0]], ids, ones)
+    producer.finish_request("a", num_tokens=7)
+    producer.finish_request("b", num_tokens=9)
+    producer.close()
+    assert consumer.wait(60) == 0
+    store = open_store(tmp_path)
+    for rid, kept in {"a": keep[:4], "b": keep[4:]}.items():
+        tail = 0 if rid == "a" else 1
+        got = store.get(rid)
+        for t, name in enumerate(store.tensor_names):
+            decoded = [rows(2, 1 + i)[t][tail : tail + 1] for i in range(3)]
+            assert torch.equal(got[name], torch.cat([prefill[t][kept], *decoded])), (rid, name)
+
+
 def test_positions_and_token_ids_on_a_device_are_refused(endpoint: str) -> None:
     producer = make_producer(make_config(endpoint))
     try:

@@ -221,17 +221,37 @@ MAX_PENDING = 4
 class _Rows(NamedTuple):
     """A batch's rows as the host sees them: per kept block of rows, then per kept row."""
 
-    rids: list[str]
+    rids: Sequence[str]
     reqs: list[Any]
-    #: First position of each block, and its rows.
-    firsts: list[int]
-    counts: list[int]
+    #: First position of each block (None for decode: ``positions``), and its rows.
+    firsts: list[int] | None
+    counts: Sequence[int]
     #: ``[R]`` int64 position of each kept row.
     positions: np.ndarray
     #: ``[R]`` int64 index of each kept row among the batch's rows; None when all are kept.
     keep: np.ndarray | None
     #: Rows in the batch (kept or not).
     total: int
+    #: Decode only: ``[R]`` int64 prompt length of each request (its row's token is output ``position - prompt``).
+    prompt_lens: np.ndarray | None = None
+
+
+class _DecodePlan(NamedTuple):
+    """What a decode batch's rows owe to its requests alone, worked out once while SGLang decodes the
+    same requests step after step (flashinfer's habit: plan on a change, then only run)."""
+
+    #: The batch's requests (a copy: SGLang edits its list in place), compared by identity each step.
+    reqs: list[Any]
+    #: Tuples: the producer checks and encodes the same tuples once (``Producer.write_step``).
+    rids: tuple[str, ...]
+    ones: tuple[int, ...]
+    prompt_lens: np.ndarray
+
+    @classmethod
+    def of(cls, reqs: list[Any]) -> _DecodePlan:
+        reqs = list(reqs)
+        prompts = np.fromiter((len(req.origin_input_ids) for req in reqs), np.int64, len(reqs))
+        return cls(reqs, tuple(req.rid for req in reqs), (1,) * len(reqs), prompts)
 
 
 @dataclass
@@ -241,11 +261,13 @@ class _Pending:
     step: WrittenStep
     #: The request owning each block of kept rows, in row order.
     reqs: list[Any]
-    #: First position of each block, and its rows.
-    firsts: list[int]
-    counts: list[int]
+    #: First position of each block (None for decode: ``positions``), and its rows.
+    firsts: list[int] | None
+    counts: Sequence[int]
     #: ``[R]`` int64 position of every kept row.
     positions: np.ndarray
+    #: Decode only: ``[R]`` int64 prompt length of each row's request.
+    prompt_lens: np.ndarray | None
 
 
 class SGLangCapture:
@@ -260,8 +282,11 @@ class SGLangCapture:
         self.hidden = 0
         #: Whether SGLang's first output matched what the model load promised.
         self.checked = False
-        #: Next position each running request has not sent yet (skips re-prefilled rows).
+        #: Next position each running request has not sent yet (skips re-prefilled rows); the last
+        #: decode step's positions are kept aside in ``_decoded`` until something reads it (``_fold``).
         self.sent_upto: dict[str, int] = {}
+        self._plan: _DecodePlan | None = None
+        self._decoded: np.ndarray | None = None
         #: Forwards written to the ring, oldest first, not announced yet.
         self.pending: deque[_Pending] = deque()
         #: The producer served its control socket (releases, attaches) since the last batch result.
@@ -292,9 +317,12 @@ class SGLangCapture:
             if self.pending:
                 self._announce_ready()
             # finished_reason is what Req.finished() reads; the attribute saves a call per request.
-            for req in [r for r in batch.reqs if r.finished_reason is not None]:
-                if req.rid in self.sent_upto:  # ours, and not finished yet (the overlap loop shows it twice)
-                    self._finish(req)
+            finished = [r for r in batch.reqs if r.finished_reason is not None]
+            if finished:
+                self._fold()
+                for req in finished:
+                    if req.rid in self.sent_upto:  # ours, and not finished yet (the overlap loop shows it twice)
+                        self._finish(req)
             if not self.served:  # no forward wrote since the last result: the engine may be idle
                 self.producer.poll()
             self.served = False
@@ -320,13 +348,13 @@ class SGLangCapture:
                 "and hscapture extract --engine sglang add them)"
             )
         producer = self.producer if self.checked else self._check_first_output(aux, last)
-        rids, reqs, firsts, counts, positions, keep, total = self._rows(batch)
-        if aux.shape[0] != total:
+        rows = self._batch_rows(batch)
+        if aux.shape[0] != rows.total:
             raise RuntimeError(
                 f"batch of {len(batch.reqs)} requests ({batch.forward_mode.name}) has "
-                f"{total} tokens but SGLang returned {aux.shape[0]} hidden-state rows"
+                f"{rows.total} tokens but SGLang returned {aux.shape[0]} hidden-state rows"
             )
-        if not rids:
+        if not rows.rids:
             return
         if len(self.pending) >= MAX_PENDING:
             oldest = self.pending[0]
@@ -335,28 +363,42 @@ class SGLangCapture:
                 f"batch result was processed since (oldest: step {oldest.step.step}, requests "
                 f"{[r.rid for r in oldest.reqs][:8]})"
             )
-        states = list(aux.view(total, -1, producer.config.hidden_size).unbind(1))
-        if self.settings.capture_last:
-            states.append(last)
+        # The aux layers side by side ([N, layers * hidden]) and the last layer: one copy each into the slot.
+        states = (aux, last) if self.settings.capture_last else (aux,)
         # Pageable memory, non_blocking: the driver stages the few bytes at once, without a sync.
-        row_index = None if keep is None else torch.from_numpy(keep).to(aux.device, non_blocking=True)
-        step = producer.write_step(states, rids, counts, row_index)
+        row_index = None if rows.keep is None else torch.from_numpy(rows.keep).to(aux.device, non_blocking=True)
+        step = producer.write_step(states, rows.rids, rows.counts, row_index)
         self.served = True
         if step.written:
-            self.pending.append(_Pending(step, reqs, firsts, counts, positions))
+            self.pending.append(_Pending(step, rows.reqs, rows.firsts, rows.counts, rows.positions, rows.prompt_lens))
+
+    def _batch_rows(self, batch: Any) -> _Rows:
+        """Which rows of the batch to keep and whose they are, from host-side lengths only."""
+        return self._decode_rows(batch) if batch.forward_mode.is_decode() else self._rows(batch)
+
+    def _decode_rows(self, batch: Any) -> _Rows:
+        """A decode batch's rows: one fresh row per request at ``seq_lens_cpu - 1``, nothing ever skipped."""
+        if batch.seq_lens_cpu is None:
+            raise RuntimeError("SGLang gave a decode batch without seq_lens_cpu; cannot place its rows")
+        plan = self._plan
+        if plan is None or batch.reqs != plan.reqs:  # same requests: an identity check of each, in C
+            self._fold()
+            plan = self._plan = _DecodePlan.of(batch.reqs)
+        positions = batch.seq_lens_cpu.numpy().astype(np.int64, copy=False) - 1
+        self._decoded = positions  # the same requests as the step before: these positions supersede its
+        return _Rows(plan.rids, plan.reqs, None, plan.ones, positions, None, len(plan.reqs), plan.prompt_lens)
+
+    def _fold(self) -> None:
+        """Record the last decode step's positions in ``sent_upto`` before anything reads it."""
+        if self._decoded is not None and self._plan is not None:
+            self.sent_upto.update(zip(self._plan.rids, (self._decoded + 1).tolist()))
+        self._decoded = None
 
     def _rows(self, batch: Any) -> _Rows:
-        """Which rows of the batch to keep and whose they are, from host-side lengths only."""
+        """Which rows of an extend or mixed batch to keep and whose they are, from host-side lengths only."""
+        self._fold()
         reqs = list(batch.reqs)
         sent = self.sent_upto
-        if batch.forward_mode.is_decode():  # one fresh row per request: nothing is ever skipped
-            if batch.seq_lens_cpu is None:
-                raise RuntimeError("SGLang gave a decode batch without seq_lens_cpu; cannot place its rows")
-            positions = batch.seq_lens_cpu.numpy().astype(np.int64, copy=False) - 1
-            rids = [req.rid for req in reqs]
-            firsts = positions.tolist()
-            sent.update(zip(rids, [p + 1 for p in firsts]))
-            return _Rows(rids, reqs, firsts, [1] * len(reqs), positions, None, len(reqs))
         starts = np.asarray(batch.prefix_lens, dtype=np.int64)
         lengths = np.asarray(batch.extend_lens, dtype=np.int64)
         total = int(lengths.sum())
@@ -502,26 +544,26 @@ class SGLangCapture:
                 log.exception("hscapture: closing the producer (%s) failed", why)
 
 
-def _tokens(pending: _Pending) -> np.ndarray | None:
-    """``[R]`` int64 token ids of a written forward's kept rows, from each request's host copy.
+def _tokens(pending: _Pending) -> np.ndarray | array | None:
+    """``[R]`` token ids of a written forward's kept rows, from each request's host copy.
 
     A request's token at position ``p`` is ``(origin_input_ids + output_ids)[p]``. Returns None
     while some row's token is not on the host yet (its step's result is not processed). A row
     past the end of a request that ended (the overlap scheduler's step after a finish, or an
     output SGLang discarded) gets -1; the store cuts such rows (``surplus_rows``).
     """
-    if len(pending.reqs) == len(pending.positions):  # one row per request (decode): its token is an output
-        try:
-            outputs = [
-                r.output_ids[k] if (k := p - len(r.origin_input_ids)) >= 0 else -1
-                for r, p in zip(pending.reqs, pending.firsts)
-            ]
-            if min(outputs) >= 0:
-                return np.array(outputs, dtype=np.int64)
-        except IndexError:  # not on the host yet, or past a request's end: the general path says which
-            pass
+    firsts = pending.firsts
+    if pending.prompt_lens is not None:  # decode: one row per request, its token an output
+        offsets = (pending.positions - pending.prompt_lens).tolist()
+        if min(offsets) >= 0:
+            try:
+                return array("q", [r.output_ids[k] for r, k in zip(pending.reqs, offsets)])
+            except IndexError:  # not on the host yet, or past a request's end: the general path says which
+                pass
+        firsts = pending.positions.tolist()
+    assert firsts is not None
     tokens = array("q")
-    for req, first, count in zip(pending.reqs, pending.firsts, pending.counts):
+    for req, first, count in zip(pending.reqs, firsts, pending.counts):
         prompt = req.origin_input_ids
         n = len(prompt)
         if first >= n:

@@ -37,8 +37,9 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 import torch
 import zmq
@@ -59,6 +60,8 @@ _POLLIN = int(zmq.POLLIN)
 #: _TAKEOVER_MIN_S), or at once when its process has ended on this host; only then may another take over.
 _TAKEOVER_BEATS = 10
 _TAKEOVER_MIN_S = 2.0
+#: Slot views kept for reuse (per slot, row count and grouping of the states); cleared when full.
+_MAX_TARGETS = 1024
 
 
 @dataclass
@@ -112,6 +115,17 @@ class _InFlight:
     consumer: str
 
 
+class _Owners(NamedTuple):
+    """Request ids and rows that an engine passes step after step as the same tuples (a decode batch
+    that did not change): checked and encoded once, not every step."""
+
+    request_ids: tuple[str, ...]
+    request_rows: tuple[int, ...]
+    rows: int
+    encoded_ids: msgspec.Raw
+    encoded_rows: msgspec.Raw
+
+
 class Producer:
     """Writes captured rows into the ring and announces them to one consumer.
 
@@ -162,9 +176,11 @@ class Producer:
             raise
         # Typed flat views of every slot, made once: slicing the ring per step costs more than the copy.
         self._slots = [self.ring.slot(i).view(config.torch_dtype) for i in range(config.num_slots)]
+        self._views: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, list[torch.Tensor] | None]] = {}
         self._free: deque[int] = deque(range(config.num_slots))
         self._in_flight: dict[int, _InFlight] = {}
         self._written: dict[int, int] = {}  # slot -> rows written by write_step, not announced yet
+        self._owners: _Owners | None = None
         self._seq = itertools.count(1)
         self._request_drops: dict[str, int] = {}
         self._consumer_id: str | None = None  # attached: it confirmed our layout
@@ -201,8 +217,11 @@ class Producer:
         """Capture one forward step's rows; returns how many rows were announced.
 
         Args:
-            states: one tensor per captured tensor (``config.tensor_names`` order), each
-                ``[N, hidden]`` in ``config.dtype``; all on one device.
+            states: the captured tensors in ``config.tensor_names`` order, in ``config.dtype``,
+                all on one device: each ``[N, hidden]``, or ``[N, k * hidden]`` holding ``k``
+                consecutive captured tensors side by side (SGLang's concatenated aux layers).
+                Separate tensors are written by one ``torch.stack``, a side-by-side state by one
+                copy of its own: give each tensor alone, or as few states as the engine has.
             request_ids: the requests owning the kept rows, in row order.
             request_rows: how many consecutive kept rows each request owns.
             positions: ``[R]`` int position of each kept row in its request (host values: a
@@ -217,10 +236,10 @@ class Producer:
             CreditTimeout: ``block`` waited longer than ``block_timeout_s``.
         """
         self._check_open()
-        rows = self._check_step(states, request_ids, request_rows, row_index)
+        rows, spans = self._check_step(states, request_ids, request_rows, row_index)
         positions = _as_int64(positions, rows, "positions")
         token_ids = _as_int64(token_ids, rows, "token_ids")
-        step = self._write_step(states, request_ids, request_rows, row_index, rows)
+        step = self._write_step(states, spans, request_ids, request_rows, row_index, rows)
         return self._announce_step(step, positions, token_ids)
 
     def write_step(
@@ -250,8 +269,8 @@ class Producer:
             CreditTimeout: ``block`` waited longer than ``block_timeout_s``.
         """
         self._check_open()
-        rows = self._check_step(states, request_ids, request_rows, row_index)
-        return self._write_step(states, request_ids, request_rows, row_index, rows)
+        rows, spans = self._check_step(states, request_ids, request_rows, row_index)
+        return self._write_step(states, spans, request_ids, request_rows, row_index, rows)
 
     def announce_step(
         self,
@@ -287,6 +306,7 @@ class Producer:
     def _write_step(
         self,
         states: Sequence[torch.Tensor],
+        spans: tuple[int, ...],
         request_ids: Sequence[str],
         request_rows: Sequence[int],
         row_index: torch.Tensor | None,
@@ -303,7 +323,7 @@ class Producer:
             if slot is None:
                 self._count_drop(request_ids, request_rows, begin, rows)
                 break
-            self._write(slot, states, row_index, begin, count)
+            self._write(slot, states, spans, row_index, begin, count)
             self.ring.mark_written(slot)
             self._written[slot] = count
             slots.append((slot, begin, count))
@@ -312,8 +332,8 @@ class Producer:
 
     def _announce_step(self, step: WrittenStep, positions: np.ndarray, token_ids: np.ndarray) -> int:
         for done, (slot, begin, count) in enumerate(step.slots):
-            ids, counts = _spans(step.request_ids, step.request_rows, begin, begin + count)
             end = begin + count
+            ids, counts = _spans(step.request_ids, step.request_rows, begin, end, step.rows)
             if not self._send_chunk(slot, count, 0, ids, counts, positions[begin:end], token_ids[begin:end], step.step):
                 self._unwrite(step, done)
                 return begin
@@ -367,6 +387,11 @@ class Producer:
         """Send the chunk of a written slot whose event is recorded; False if ``drop`` could not send it."""
         config = self.config
         seq = next(self._seq)
+        owners = self._owners
+        if owners is not None and request_ids is owners.request_ids and request_rows is owners.request_rows:
+            ids, counts = owners.encoded_ids, owners.encoded_rows
+        else:
+            ids, counts = list(request_ids), list(request_rows)
         chunk = protocol.Chunk(
             v=protocol.PROTOCOL_VERSION,
             seq=seq,
@@ -375,8 +400,8 @@ class Producer:
             offset=slot * config.slot_bytes,
             nbytes=(row_stride or rows) * config.row_bytes,
             rows=rows,
-            request_ids=list(request_ids),
-            request_rows=list(request_rows),
+            request_ids=ids,  # a list, or its encoded form (the same bytes on the wire)
+            request_rows=counts,
             positions=protocol.pack_rows(positions),
             token_ids=protocol.pack_rows(token_ids),
             dropped_rows=self.counters.rows_dropped,
@@ -504,23 +529,29 @@ class Producer:
         request_ids: Sequence[str],
         request_rows: Sequence[int],
         row_index: torch.Tensor | None,
-    ) -> int:
+    ) -> tuple[int, tuple[int, ...]]:
+        """Check a step against the plan; returns its kept rows and how many tensors each state holds."""
         config = self.config
-        if len(states) != self._num_tensors:
-            raise ValueError(f"states: planned {config.num_tensors} tensors {config.tensor_names}, got {len(states)}")
-        first = states[0]
-        planned, dtype = (first.shape[0], config.hidden_size), self._dtype
-        for i, state in enumerate(states):  # the names only when something is wrong: building them costs
-            if state.shape != planned:
-                raise ValueError(f"states[{config.tensor_names[i]}]: planned {list(planned)}, got {list(state.shape)}")
+        hidden, dtype = config.hidden_size, self._dtype
+        rows_in = states[0].shape[0] if states else 0
+        spans = []
+        for state in states:  # the names only when something is wrong: building them costs
+            shape = state.shape
+            k = shape[-1] // hidden if len(shape) == 2 else 0
+            if not k or shape[0] != rows_in or shape[1] != k * hidden:
+                raise ValueError(
+                    f"states[{self._state_name(spans)}]: planned [{rows_in}, {hidden}], got {list(shape)} "
+                    f"(a state holding k captured tensors side by side is [{rows_in}, k * {hidden}])"
+                )
             if state.dtype != dtype:
                 raise ValueError(
-                    f"states[{config.tensor_names[i]}]: planned dtype {config.dtype}, got {dtype_name(state.dtype)}"
+                    f"states[{self._state_name(spans)}]: planned dtype {config.dtype}, got {dtype_name(state.dtype)}"
                 )
-        rows = first.shape[0] if row_index is None else row_index.numel()
-        if request_rows and min(request_rows) <= 0:
-            raise ValueError(f"request_rows: every request owns at least one row, got {list(request_rows)[:16]}")
-        if len(request_ids) != len(request_rows) or sum(request_rows) != rows:
+            spans.append(k)
+        if sum(spans) != self._num_tensors:
+            raise ValueError(f"states: planned {config.num_tensors} tensors {config.tensor_names}, got {sum(spans)}")
+        rows = rows_in if row_index is None else row_index.numel()
+        if self._owned_rows(request_ids, request_rows) != rows or len(request_ids) != len(request_rows):
             raise ValueError(
                 f"request_rows: {len(request_ids)} request ids with rows summing to {sum(request_rows)}, "
                 f"but the step keeps {rows} rows"
@@ -530,26 +561,68 @@ class Producer:
                 f"step rows: planned at most max_step_rows={config.max_step_rows}, got {rows}; "
                 "raise max_step_rows (and ring_bytes)"
             )
+        return rows, tuple(spans)
+
+    def _owned_rows(self, request_ids: Sequence[str], request_rows: Sequence[int]) -> int:
+        """The rows ``request_rows`` adds up to; the same tuples as before are checked (and encoded) once."""
+        owners = self._owners
+        if owners is not None and request_ids is owners.request_ids and request_rows is owners.request_rows:
+            return owners.rows
+        if request_rows and min(request_rows) <= 0:
+            raise ValueError(f"request_rows: every request owns at least one row, got {list(request_rows)[:16]}")
+        rows = sum(request_rows)
+        if type(request_ids) is tuple and type(request_rows) is tuple and len(request_ids) == len(request_rows):
+            ids, counts = protocol.encoded(request_ids), protocol.encoded(request_rows)
+            self._owners = _Owners(request_ids, request_rows, rows, ids, counts)
         return rows
+
+    def _state_name(self, spans: Sequence[int]) -> str:
+        """The captured tensor a state checked after ``spans`` starts with (its index when past the last)."""
+        names, first = self.config.tensor_names, sum(spans)
+        return names[first] if first < len(names) else str(len(spans))
 
     def _write(
         self,
         slot: int,
         states: Sequence[torch.Tensor],
+        spans: tuple[int, ...],
         row_index: torch.Tensor | None,
         begin: int,
         count: int,
     ) -> None:
-        config = self.config
-        dst = self._slots[slot][: count * self._num_tensors * config.hidden_size]
-        dst = dst.view(self._num_tensors, count, config.hidden_size)
-        if row_index is None:  # one launch for all tensors, not one copy each
-            whole = begin == 0 and count == states[0].shape[0]  # the usual step: no slicing
-            torch.stack(states if whole else [state[begin : begin + count] for state in states], out=dst)
-        else:
-            index = row_index[begin : begin + count]
-            for i, state in enumerate(states):
-                torch.index_select(state, 0, index, out=dst[i])
+        planes, targets = self._targets(slot, count, spans)
+        if row_index is not None:
+            index, hidden, t = row_index[begin : begin + count], self.config.hidden_size, 0
+            for state, k in zip(states, spans):
+                for j in range(k):
+                    torch.index_select(state[:, j * hidden : (j + 1) * hidden], 0, index, out=planes[t])
+                    t += 1
+            return
+        whole = begin == 0 and count == states[0].shape[0]  # the usual step: no slicing
+        parts = states if whole else [state[begin : begin + count] for state in states]
+        if targets is None:  # separate tensors: one launch for all, not one copy each
+            torch.stack(parts, out=planes)
+            return
+        for part, k, target in zip(parts, spans, targets):
+            target.copy_(part if k == 1 else part.reshape(count, k, self.config.hidden_size))
+
+    def _targets(self, slot: int, count: int, spans: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Views of ``slot`` for ``count`` rows, made once per shape: every tensor's plane
+        ``[num_tensors, count, hidden]``, and (when some state holds several tensors) each state's
+        part of it: ``[count, hidden]``, or ``[count, k, hidden]`` across ``k`` planes."""
+        key = (slot, count, spans)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= _MAX_TARGETS:
+                self._views.clear()
+            hidden, num = self.config.hidden_size, self._num_tensors
+            planes = self._slots[slot][: num * count * hidden].view(num, count, hidden)
+            targets = None
+            if len(spans) != num:
+                firsts = itertools.accumulate(spans, initial=0)
+                targets = [planes[t] if k == 1 else planes[t : t + k].transpose(0, 1) for t, k in zip(firsts, spans)]
+            views = self._views[key] = (planes, targets)
+        return views
 
     def _acquire_slot(self) -> int | None:
         if self._free and self._consumer_id is not None:
@@ -748,7 +821,7 @@ class Producer:
     def _count_drop(self, request_ids: Sequence[str], request_rows: Sequence[int], begin: int, end: int) -> None:
         self.counters.rows_dropped += end - begin
         self.counters.chunks_dropped += -(-(end - begin) // self.config.rows_per_slot)
-        ids, counts = _spans(request_ids, request_rows, begin, end)
+        ids, counts = _spans(request_ids, request_rows, begin, end, sum(request_rows))
         for request_id, count in zip(ids, counts):
             self._request_drops[request_id] = self._request_drops.get(request_id, 0) + count
 
@@ -794,11 +867,11 @@ class NullProducer:
 
 
 def _spans(
-    request_ids: Sequence[str], request_rows: Sequence[int], begin: int, end: int
-) -> tuple[list[str], list[int]]:
-    """Request ids and row counts covering kept rows ``[begin, end)`` of a step."""
-    if begin == 0 and end == sum(request_rows):  # the whole step in one chunk: the usual decode case
-        return list(request_ids), list(request_rows)
+    request_ids: Sequence[str], request_rows: Sequence[int], begin: int, end: int, total: int
+) -> tuple[Sequence[str], Sequence[int]]:
+    """Request ids and row counts covering kept rows ``[begin, end)`` of a step of ``total`` kept rows."""
+    if begin == 0 and end == total:  # the whole step in one chunk: the usual decode case
+        return request_ids, request_rows
     starts = list(itertools.accumulate(request_rows, initial=0))
     first = bisect.bisect_right(starts, begin) - 1
     ids: list[str] = []
