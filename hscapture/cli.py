@@ -333,15 +333,18 @@ def _extract(args: argparse.Namespace) -> int:
         return 130
     store = summary.store
     if not store:
-        print(f"nothing to capture: {options.data or 'the demo data'} has no samples", file=sys.stderr)
+        split = " in this job's parts" if options.shard is not None or options.data_parallel > 1 else ""
+        print(f"nothing to capture: {options.data or 'the demo data'} has no samples{split}", file=sys.stderr)
         return 1
+    where = summary.out or options.out
+    parts = f" ({store['parts']} parts)" if "parts" in store else ""
     print(
         f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
         f"({summary.tokens_per_s:.0f} tok/s); {summary.skipped} were already there\n"
-        f"store {options.out}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
+        f"store {where}{parts}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
         f"{store['rows']} rows, {store['shards']} shards, {store['bytes'] / MiB:.1f} MiB, "
         f"{store['rows_dropped']} rows dropped\n"
-        f"read it: python -c \"from hscapture import open_store; s = open_store('{options.out}'); "
+        f"read it: python -c \"from hscapture import open_store; s = open_store('{where}'); "
         'print(s.get(s.keys()[0]))"'
     )
     return 0

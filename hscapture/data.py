@@ -10,7 +10,7 @@ reproduced call for call).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,6 +304,7 @@ def load_samples(
     tokenizer: PreTrainedTokenizerBase,
     max_length: int | None = None,
     skip_keys: AbstractSet[str] = frozenset(),
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[Sample]:
     """Yield the Samples of a JSONL file lazily, in file order.
 
@@ -313,6 +314,8 @@ def load_samples(
         max_length: Truncate each sample to this many tokens; None keeps everything.
         skip_keys: Keys not to tokenize or yield (for example those already extracted by an
             interrupted run); they still count for duplicate detection and default keys.
+        keep: Whether a key is this job's (e.g. ``Part.owns`` of ``extract --shard``); other keys
+            are skipped like ``skip_keys``.
 
     Returns:
         An iterator of Samples. Default keys use the record's 0-based position among the file's
@@ -335,7 +338,7 @@ def load_samples(
                 "record ids must be unique within a file because outputs are stored by key"
             )
         seen[key] = line_number
-        if key in skip_keys:
+        if key in skip_keys or (keep is not None and not keep(key)):
             continue
         try:
             yield tokenize_record(record, tokenizer, index, max_length)

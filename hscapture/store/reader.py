@@ -213,5 +213,5 @@ class Store:
 
 
 def open_store(path: str | Path) -> Store:
-    """Open a store directory for reading."""
+    """Open one store directory for reading (:func:`hscapture.open_store` also opens a set of parts)."""
     return Store(path)
