@@ -239,10 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         help="check every shard of a store against its checksums",
         description="Reads every shard the index lists and compares its bytes with the CRC-32 checksums of its "
-        "index line (whole file and per tensor). Exit status: 0 everything verifies, 1 something is corrupted "
-        "or missing, 2 DIR is not a store.",
+        "index line (whole file and per tensor). A directory of parts, or several DIRs, is verified part by part "
+        "and as one dataset (no key in two parts, no part missing). Exit status: 0 everything verifies, 1 "
+        "something is corrupted or missing (or a key is in two parts), 2 DIR is not a store.",
     )
-    ver.add_argument("dir", type=Path, metavar="DIR", help="store directory")
+    ver.add_argument("dir", type=Path, nargs="+", metavar="DIR", help="store directory, or a directory of parts")
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
     ver.add_argument("--jobs", type=int, default=4, help="shards checked in parallel (default 4)")
 
@@ -259,10 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     ins = commands.add_parser(
         "inspect",
         help="summarize a store: requests, tokens, tensors, bytes, drops, incomplete samples, runs",
-        description="Reads the index and meta.json only (no shard), so it is quick on any store. Exit status 2: "
-        "DIR is not a store.",
+        description="Reads the index and meta.json only (no shard), so it is quick on any store. A directory of "
+        "parts, or several DIRs, is summarized as one dataset and part by part. Exit status 2: DIR is not a store.",
     )
-    ins.add_argument("dir", type=Path, metavar="DIR", help="store directory")
+    ins.add_argument("dir", type=Path, nargs="+", metavar="DIR", help="store directory, or a directory of parts")
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
     ins.add_argument("--max-listed", type=int, default=10, help="incomplete samples and runs listed (default 10)")
 
@@ -299,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet = args.command in ("extract", "export", "inspect", "keys") or getattr(args, "quiet", False)
     level = logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command in ("export", "inspect", "verify"):  # they print a set's problems themselves
+        logging.getLogger("hscapture.store.collection").setLevel(logging.ERROR)
     try:
         if args.command == "extract":
             return _extract(args)
@@ -438,14 +441,19 @@ def _verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from hscapture.errors import StoreError
-    from hscapture.store.verify import ShardCheck, format_report, verify_store
+    from hscapture.store.collection import SetReport, format_set_report, is_store, verify_set
+    from hscapture.store.verify import ShardCheck, VerifyReport, format_report, verify_store
 
     def progress(checks: Iterable[ShardCheck], total: int) -> Iterable[ShardCheck]:
         show = sys.stdout.isatty() and total > 4 and not args.json  # a bar over more than a few shards
         return tqdm(checks, total=total, unit="shard", desc="verify", disable=not show, leave=False)
 
+    report: VerifyReport | SetReport
     try:
-        report = verify_store(args.dir, jobs=args.jobs, progress=progress)
+        if len(args.dir) == 1 and is_store(args.dir[0]):
+            report = verify_store(args.dir[0], jobs=args.jobs, progress=progress)
+        else:
+            report = verify_set(args.dir, jobs=args.jobs, progress=progress)
     except StoreError as exc:
         print(f"hscapture verify: {exc}", file=sys.stderr)
         return 2
@@ -453,7 +461,8 @@ def _verify(args: argparse.Namespace) -> int:
         print("\nhscapture verify: interrupted", file=sys.stderr)
         return 130
     try:
-        print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report), flush=True)
+        text = format_report(report) if isinstance(report, VerifyReport) else format_set_report(report)
+        print(json.dumps(report.to_dict(), indent=2) if args.json else text, flush=True)
     except BrokenPipeError:  # piped into head: the verdict is still the exit status
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if report.ok else 1
@@ -486,6 +495,7 @@ def _export(args: argparse.Namespace) -> int:
         lines.append(
             f"warning: {summary.empty_loss_mask} samples have an empty loss mask (nothing in them is trained on)"
         )
+    lines.extend(f"warning: {options.store}: {problem}" for problem in summary.problems)
     print("\n".join(lines))
     return 0
 
@@ -497,7 +507,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from hscapture.inspection import format_inspection, inspect_store
 
     try:
-        report = inspect_store(args.dir, max_listed=args.max_listed)
+        report = inspect_store(args.dir[0] if len(args.dir) == 1 else args.dir, max_listed=args.max_listed)
     except StoreError as exc:
         print(f"hscapture inspect: {exc}", file=sys.stderr)
         return 2

@@ -97,7 +97,7 @@ def open_store(path: str | Path | Sequence[str | Path], max_open_shards: int = 6
         if is_store(root) or not part_dirs(root):
             return Store(root, max_open_shards=max_open_shards)  # a store, or its own "not a store" error
         path = [root]
-    return StoreSet(path, max_open_shards=max_open_shards, warn=True)
+    return StoreSet(path, max_open_shards=max_open_shards)
 
 
 class StoreSet:
@@ -106,14 +106,15 @@ class StoreSet:
     Args:
         paths: store directories and directories of parts, in the order their samples are served.
         max_open_shards: shard mappings each store keeps open.
-        warn: log each of ``problems`` as a warning (readers that report them themselves do not).
+
+    Each of ``problems`` is logged as a warning when the set opens.
 
     Raises:
         StoreError: a path is no store and holds no parts, no part holds a store yet, or two parts'
             ``meta.json`` differ (other tensors, dtype or width).
     """
 
-    def __init__(self, paths: Sequence[str | Path], max_open_shards: int = 64, warn: bool = False) -> None:
+    def __init__(self, paths: Sequence[str | Path], max_open_shards: int = 64) -> None:
         given = [Path(p) for p in paths]
         if not given:
             raise ValueError("paths: no store given; give a directory of parts or a list of stores")
@@ -145,7 +146,7 @@ class StoreSet:
                     self._where[key] = index
         #: One line per problem: parts without a store, keys in no part or in two, duplicate keys.
         self.problems: list[str] = _problems(self.parts, empty, self.duplicates)
-        for problem in self.problems if warn else ():
+        for problem in self.problems:
             log.warning("%s: %s", self.root, problem)
 
     @property
@@ -213,6 +214,10 @@ class StoreSet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: What :func:`open_store` gives: one store, or a set of them read as one (the same reading API).
+StoreLike = Store | StoreSet
 
 
 def set_name(paths: Sequence[Path]) -> Path:
