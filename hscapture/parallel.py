@@ -4,10 +4,12 @@
 locks or threads), each with its own environment on top of ours (e.g. ``CUDA_VISIBLE_DEVICES``),
 and calls ``target(*job.args, bar=...)`` there. The ``bar`` it is given makes tqdm-like bars whose
 counts travel back over a queue, so the jobs draw one bar together in this process. The first job
-that fails stops the others (SIGINT: each finishes its store as on Ctrl-C, then SIGKILL after
-``stop_timeout_s``) and its error is raised here, prefixed with the job's name. A job outlives
-neither this process (it stops itself when we die) nor a Ctrl-C here (the terminal's SIGINT
-reaches every job, and we wait for them to finish their stores).
+that fails stops the others and its error is raised here, prefixed with the job's name. To stop,
+a job gets SIGINT (SIGKILL if it is still there after ``stop_timeout_s``); the SIGINT interrupts
+it at once while it loads, and at its bar's next update while it captures (between two batches,
+never inside a cleanup), so it finishes its store as on Ctrl-C; once its bar is closed it ends on
+its own. A job outlives neither this process (it stops itself when we die) nor a Ctrl-C here (the
+terminal's SIGINT reaches every job, and we wait for them to finish their stores).
 """
 
 from __future__ import annotations
@@ -43,14 +45,39 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
 
 
+class _Stop:
+    """A job process's stop request (SIGINT), and how far the job is: ``loading``, ``capturing``, ``finishing``."""
+
+    requested = False
+    phase = "loading"
+
+    @classmethod
+    def check(cls) -> None:
+        if cls.requested:
+            raise KeyboardInterrupt
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """Interrupt a loading job at once; a capturing one stops at its bar's next update; a finishing one ends."""
+    _Stop.requested = True
+    if _Stop.phase == "loading":
+        raise KeyboardInterrupt
+
+
 class QueueBar:
-    """The part of tqdm a job uses (``update``, ``set_postfix_str``, a context manager), sent to the parent."""
+    """The part of tqdm a job uses (``update``, ``set_postfix_str``, a context manager), sent to the parent.
+
+    Made when the job starts capturing; a stop request raises KeyboardInterrupt from it.
+    """
 
     def __init__(self, channel: Any, job: int, total: int) -> None:
         self._channel, self._job = channel, job
+        _Stop.phase = "capturing"
+        _Stop.check()
         self._channel.put(("total", job, total))
 
     def update(self, n: int = 1) -> None:
+        _Stop.check()
         self._channel.put(("update", self._job, n))
 
     def set_postfix_str(self, text: str = "", refresh: bool = True) -> None:
@@ -60,7 +87,7 @@ class QueueBar:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        _Stop.phase = "finishing"
 
 
 def run_jobs(
@@ -86,6 +113,7 @@ def run_jobs(
             process.start()
         processes.append(process)
     results: dict[int, Any] = {}
+    said: set[int] = set()  # jobs that reported their failure (they exit by themselves)
     silent: set[int] = set()  # jobs seen exited without a word at the last empty poll
     postfix = [""] * len(jobs)
     bar = tqdm(total=0, unit=unit, unit_scale=True, disable=not show)
@@ -107,9 +135,10 @@ def run_jobs(
             elif kind == "done":
                 results[index] = value
             else:
+                said.add(index)
                 raise _job_error(jobs[index].name, value)
     except BaseException:
-        _stop(processes, stop_timeout_s)
+        _stop(processes, said | set(results), stop_timeout_s)
         raise
     finally:
         bar.close()
@@ -142,10 +171,11 @@ def _job_error(name: str, failure: tuple[str, str]) -> BaseException:
     return HSCaptureError(f"{name}: {text}")
 
 
-def _stop(processes: list[Any], timeout_s: float) -> None:
-    """SIGINT every running job (each finishes its store), then SIGKILL what is left after ``timeout_s``."""
-    for process in processes:
-        if process.exitcode is None and process.pid is not None:
+def _stop(processes: list[Any], ending: set[int], timeout_s: float) -> None:
+    """SIGINT every running job but those ``ending`` on their own (each finishes its store), then
+    SIGKILL what is left after ``timeout_s``."""
+    for index, process in enumerate(processes):
+        if index not in ending and process.exitcode is None and process.pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGINT)
     deadline = time.monotonic() + timeout_s
@@ -177,7 +207,7 @@ class _environment:
 
 def _job_main(target: Callable[..., Any], job: Job, index: int, channel: Any) -> None:
     """A job's process: run it, send its result or its failure; stop when the parent dies."""
-    signal.signal(signal.SIGINT, _interrupt_once)
+    signal.signal(signal.SIGINT, _on_sigint)
     parent = os.getppid()
 
     def watch_parent() -> None:
@@ -190,17 +220,13 @@ def _job_main(target: Callable[..., Any], job: Job, index: int, channel: Any) ->
     try:
         result = target(*job.args, bar=lambda total: QueueBar(channel, index, total))
     except BaseException as exc:  # every failure goes to the parent, which decides
+        _Stop.phase = "finishing"
         if not isinstance(exc, (ValueError, TypeError, HSCaptureError, KeyboardInterrupt)):
             traceback.print_exc(file=sys.stderr)  # unexpected: the parent gets the message, stderr the trace
         _send(channel, ("failed", index, (type(exc).__name__, _text(exc))))
         sys.exit(1)
+    _Stop.phase = "finishing"
     _send(channel, ("done", index, result))
-
-
-def _interrupt_once(signum: int, frame: Any) -> None:
-    """The first SIGINT interrupts the job; later ones (the terminal's and ours) must not cut its cleanup short."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
 
 
 def _send(channel: Any, message: tuple[str, int, Any]) -> None:

@@ -289,7 +289,9 @@ def _problems(parts: list[Store], empty: list[Path], duplicates: dict[str, list[
             )
         for share, holders in doubled[:SHOWN]:
             names = " and ".join(str(root) for root, split in splits.items() if split in holders)
-            problems.append(f"{names} both hold the keys of {part_dir(share)}: two different splits of the data")
+            problems.append(
+                f"{names} both hold the keys of {part_dir(share)}: two splits of the data, or one part twice"
+            )
     if duplicates:
         key, held = next(iter(duplicates.items()))
         problems.append(
