@@ -21,7 +21,8 @@ _EXPORTS = {
     "Producer": "hscapture.producer",
     "ProducerCounters": "hscapture.producer",
     "Store": "hscapture.store.reader",
-    "open_store": "hscapture.store.reader",
+    "StoreSet": "hscapture.store.collection",
+    "open_store": "hscapture.store.collection",
 }
 
 __all__ = sorted(_EXPORTS)

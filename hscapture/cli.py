@@ -241,9 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Checks meta.json and every index line (its checksum, its fields), reads every shard the index "
         "lists and compares its bytes with the CRC-32 checksums of its index line (whole file and per tensor), "
         "checks that each request's spans name its own rows, and finds shard files no line lists (lost index "
-        "lines). Exit status: 0 everything verifies, 1 something is corrupted, missing or lost, 2 DIR is not a store.",
+        "lines). A directory of parts, or several DIRs, is verified part by part and as one dataset (no key in two "
+        "parts, no part missing). Exit status: 0 everything verifies, 1 something is corrupted, missing or lost (or "
+        "a key is in two parts), 2 DIR is not a store.",
     )
-    ver.add_argument("dir", type=Path, metavar="DIR", help="store directory")
+    ver.add_argument("dir", type=Path, nargs="+", metavar="DIR", help="store directory, or a directory of parts")
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
     ver.add_argument("--jobs", type=int, default=4, help="shards checked in parallel (default 4)")
     ver.add_argument(
@@ -266,10 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     ins = commands.add_parser(
         "inspect",
         help="summarize a store: requests, tokens, tensors, bytes, drops, incomplete samples, runs",
-        description="Reads the index and meta.json only (no shard), so it is quick on any store. Exit status 2: "
-        "DIR is not a store.",
+        description="Reads the index and meta.json only (no shard), so it is quick on any store. A directory of "
+        "parts, or several DIRs, is summarized as one dataset and part by part. Exit status 2: DIR is not a store.",
     )
-    ins.add_argument("dir", type=Path, metavar="DIR", help="store directory")
+    ins.add_argument("dir", type=Path, nargs="+", metavar="DIR", help="store directory, or a directory of parts")
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
     ins.add_argument("--max-listed", type=int, default=10, help="incomplete samples and runs listed (default 10)")
 
@@ -306,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet = args.command in ("extract", "export", "inspect", "keys") or getattr(args, "quiet", False)
     level = logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command in ("export", "inspect", "verify"):  # they print a set's problems themselves
+        logging.getLogger("hscapture.store.collection").setLevel(logging.ERROR)
     try:
         if args.command == "extract":
             return _extract(args)
@@ -340,16 +344,19 @@ def _extract(args: argparse.Namespace) -> int:
         return 130
     store = summary.store
     if not store:
-        print(f"nothing to capture: {options.data or 'the demo data'} has no samples", file=sys.stderr)
+        split = " in this job's parts" if options.shard is not None or options.data_parallel > 1 else ""
+        print(f"nothing to capture: {options.data or 'the demo data'} has no samples{split}", file=sys.stderr)
         return 1
+    where = summary.out or options.out
+    parts = f" ({store['parts']} parts)" if "parts" in store else ""
     print(
         f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
         f"({summary.tokens_per_s:.0f} tok/s; the consumer took {summary.startup_seconds:.1f} s to start before); "
         f"{summary.skipped} were already there\n"
-        f"store {options.out}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
+        f"store {where}{parts}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
         f"{store['rows']} rows, {store['shards']} shards, {store['bytes'] / MiB:.1f} MiB, "
         f"{store['rows_dropped']} rows dropped\n"
-        f"read it: python -c \"from hscapture import open_store; s = open_store('{options.out}'); "
+        f"read it: python -c \"from hscapture import open_store; s = open_store('{where}'); "
         'print(s.get(s.keys()[0]))"'
     )
     if summary.empty_loss_mask:
@@ -450,19 +457,26 @@ def _verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from hscapture.errors import StoreError
-    from hscapture.store.verify import ShardCheck, format_report, verify_store
+    from hscapture.store.collection import SetReport, format_set_report, is_store, part_dirs, verify_set
+    from hscapture.store.verify import ShardCheck, VerifyReport, format_report, verify_store
 
     def progress(checks: Iterable[ShardCheck], total: int) -> Iterable[ShardCheck]:
         show = sys.stdout.isatty() and total > 4 and not args.json  # a bar over more than a few shards
         return tqdm(checks, total=total, unit="shard", desc="verify", disable=not show, leave=False)
 
+    report: VerifyReport | SetReport
     try:
         if args.repair:
             from hscapture.store.repair import format_repair, repair_store
 
-            repaired = repair_store(args.dir)
-            print(format_repair(repaired), file=sys.stderr if args.json else sys.stdout, flush=True)
-        report = verify_store(args.dir, jobs=args.jobs, progress=progress)
+            parts = (part for given in args.dir for part in ([given] if is_store(given) else part_dirs(given)))
+            for path in (part for part in parts if is_store(part)):
+                repaired = repair_store(path)
+                print(format_repair(repaired), file=sys.stderr if args.json else sys.stdout, flush=True)
+        if len(args.dir) == 1 and is_store(args.dir[0]):
+            report = verify_store(args.dir[0], jobs=args.jobs, progress=progress)
+        else:
+            report = verify_set(args.dir, jobs=args.jobs, progress=progress)
     except StoreError as exc:
         print(f"hscapture verify: {exc}", file=sys.stderr)
         return 2
@@ -470,7 +484,8 @@ def _verify(args: argparse.Namespace) -> int:
         print("\nhscapture verify: interrupted", file=sys.stderr)
         return 130
     try:
-        print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report), flush=True)
+        text = format_report(report) if isinstance(report, VerifyReport) else format_set_report(report)
+        print(json.dumps(report.to_dict(), indent=2) if args.json else text, flush=True)
     except BrokenPipeError:  # piped into head: the verdict is still the exit status
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if report.ok else 1
@@ -503,6 +518,7 @@ def _export(args: argparse.Namespace) -> int:
         lines.append(
             f"warning: {summary.empty_loss_mask} samples have an empty loss mask (nothing in them is trained on)"
         )
+    lines.extend(f"warning: {options.store}: {problem}" for problem in summary.problems)
     print("\n".join(lines))
     return 0
 
@@ -514,7 +530,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from hscapture.inspection import format_inspection, inspect_store
 
     try:
-        report = inspect_store(args.dir, max_listed=args.max_listed)
+        report = inspect_store(args.dir[0] if len(args.dir) == 1 else args.dir, max_listed=args.max_listed)
     except StoreError as exc:
         print(f"hscapture inspect: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,6 +344,7 @@ def load_samples(
     max_length: int | None = None,
     skip_keys: AbstractSet[str] = frozenset(),
     limit: int | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[Sample]:
     """Yield the Samples of a JSONL file lazily, in file order.
 
@@ -355,6 +356,8 @@ def load_samples(
             interrupted run); they still count for duplicate detection and default keys.
         limit: Only the first this many records of the file (skipped ones included, so a resumed
             run with the same limit finishes the same records); None reads them all.
+        keep: Whether a key is this job's (e.g. ``Part.owns`` of ``extract --shard``); other keys
+            are skipped like ``skip_keys``.
 
     Returns:
         An iterator of Samples. Default keys use the record's 0-based position among the file's
@@ -368,7 +371,7 @@ def load_samples(
     for index, line_number, key, record in keyed_records(path):
         if limit is not None and index >= limit:
             return
-        if key in skip_keys:
+        if key in skip_keys or (keep is not None and not keep(key)):
             continue
         try:
             yield tokenize_record(record, tokenizer, index, max_length)

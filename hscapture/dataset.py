@@ -16,7 +16,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
-from hscapture.store.reader import Store
+from hscapture.store.collection import open_store
 
 Sample = dict[str, torch.Tensor]
 
@@ -25,7 +25,9 @@ class CaptureDataset(Dataset[Sample]):
     """The requests of a store as training samples, in the order they were written.
 
     Args:
-        store_dir: the store directory.
+        store_dir: the store directory, a directory of parts (``extract --shard``/``--data-parallel``,
+            ``serve``'s ``dp<rank>``) or a list of stores: a set serves each key once, part by part
+            (:class:`~hscapture.store.collection.StoreSet`).
         tensors: the captured tensors to return (default: all, e.g. ``layer_2``, ..., ``last``).
         complete_only: leave out requests recorded as incomplete (dropped rows, aborted, ...).
         keys: the request ids to serve, in this order (default: every one, or every complete one).
@@ -46,7 +48,7 @@ class CaptureDataset(Dataset[Sample]):
 
     def __init__(
         self,
-        store_dir: str | Path,
+        store_dir: str | Path | Sequence[str | Path],
         tensors: Sequence[str] | None = None,
         complete_only: bool = True,
         keys: Sequence[str] | None = None,
@@ -54,7 +56,7 @@ class CaptureDataset(Dataset[Sample]):
         max_open_shards: int = 16,
         verify: bool = True,
     ) -> None:
-        self.store = Store(store_dir, max_open_shards=max_open_shards, verify=verify)
+        self.store = open_store(store_dir, max_open_shards=max_open_shards, verify=verify)
         self.tensors = list(self.store.tensor_names if tensors is None else tensors)
         unknown = [name for name in self.tensors if name not in self.store.tensor_names]
         if unknown:

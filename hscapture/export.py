@@ -19,6 +19,11 @@ own data preparation drops them, unless ``keep_empty_loss_mask``.
 Sample ``i`` keeps its number across reruns: ``hscapture-export.jsonl`` in the output directory
 lists every file once it is durable, so an interrupted export resumes where it stopped and a
 rerun after more capture adds only the new samples.
+
+A directory of parts (``extract --shard``/``--data-parallel``, ``serve``'s ``dp<rank>``) exports as
+one dataset: samples numbered part by part, each key once (see
+:class:`~hscapture.store.collection.StoreSet`); the set's problems (keys in two parts, parts not
+captured yet) are in the summary.
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ from tqdm import tqdm
 from hscapture.config import eagle3_default_layers, flag
 from hscapture.errors import StoreError
 from hscapture.ownership import open_own
+from hscapture.store.collection import StoreLike, StoreSet, open_store
 from hscapture.store.files import prepare_store_dir, write_all, write_atomic
-from hscapture.store.reader import Store, open_store
 
 FORMATS = ("specforge", "speculators")
 MANIFEST = "hscapture-export.jsonl"
@@ -58,7 +63,7 @@ _LAYER = re.compile(r"layer_(\d+)")
 class ExportOptions:
     """What ``hscapture export`` does; every field is the command-line flag of the same name."""
 
-    #: The hscapture store to read.
+    #: The hscapture store to read, or a directory of parts read as one (``extract --shard``, ``--data-parallel``).
     store: Path = field(metadata=flag(positional="DIR"))
     #: Output directory (created; resumed if it holds an export of the same kind).
     out: Path = field(metadata=flag(positional="OUT"))
@@ -99,6 +104,8 @@ class ExportSummary:
     #: The aux tensors (in output order) and the final one.
     aux: list[str] = field(default_factory=list)
     final: str = ""
+    #: A set of parts: keys in two parts (each exported once), parts without a store, keys in no part.
+    problems: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ def export(options: ExportOptions) -> ExportSummary:
     mode = prepare_store_dir(out, what="export directory")
     manifest = _Manifest(out, {"format": options.format, "aux": tensors.aux, "final": tensors.final}, mode)
     summary = ExportSummary(aux=tensors.aux, final=tensors.final)
+    if isinstance(store, StoreSet):
+        summary.problems = store.problems
     keys = _eligible(store, options, summary)
     for key in tqdm(keys, unit="sample", desc=f"export {options.format}", disable=not options.progress):
         entry = manifest.entries.get(key)
@@ -154,7 +163,11 @@ def export(options: ExportOptions) -> ExportSummary:
 
 
 def choose_tensors(
-    store: Store, format: str, aux_layers: tuple[int, ...] | None, num_layers: int | None, any_aux_count: bool = False
+    store: StoreLike,
+    format: str,
+    aux_layers: tuple[int, ...] | None,
+    num_layers: int | None,
+    any_aux_count: bool = False,
 ) -> _Tensors:
     """The store's tensors that make the format's aux and final states, or a clear error."""
     names = store.tensor_names
@@ -232,7 +245,7 @@ def _specforge_aux_error(aux: list[int], captured: list[int], total: int | None,
     )
 
 
-def _recorded_num_layers(store: Store) -> int | None:
+def _recorded_num_layers(store: StoreLike) -> int | None:
     """The decoder layer count the store's runs recorded in their capture config (None if none did)."""
     counts = {
         run["meta"]["config"]["num_layers"]
@@ -244,7 +257,7 @@ def _recorded_num_layers(store: Store) -> int | None:
     return counts.pop() if counts else None
 
 
-def _eligible(store: Store, options: ExportOptions, summary: ExportSummary) -> list[str]:
+def _eligible(store: StoreLike, options: ExportOptions, summary: ExportSummary) -> list[str]:
     """Keys to export in store order; incomplete ones counted as skipped unless included."""
     keys = []
     for key in store:
@@ -275,7 +288,7 @@ class _Writer:
     path: Callable[[Path, int], Path]
     encode: Callable[[dict[str, torch.Tensor], _Tensors], bytes]
     #: Runs once after the sample files (with whether any was written, and the progress flag).
-    finish: Callable[[Path, Store, _Manifest, bool, bool], None] | None = None
+    finish: Callable[[Path, StoreLike, _Manifest, bool, bool], None] | None = None
 
 
 def _specforge_path(out: Path, index: int) -> Path:
@@ -304,7 +317,7 @@ def _speculators_encode(sample: dict[str, torch.Tensor], tensors: _Tensors) -> b
     return safetensors.torch.save({"hidden_states": states, "token_ids": sample["input_ids"].contiguous()})
 
 
-def _speculators_table(out: Path, store: Store, manifest: _Manifest, changed: bool, progress: bool) -> None:
+def _speculators_table(out: Path, store: StoreLike, manifest: _Manifest, changed: bool, progress: bool) -> None:
     """The Arrow table speculators' ArrowDataset loads with ``datasets.load_from_disk(out)``.
 
     Row ``i`` holds sample ``i``'s ``input_ids``, ``loss_mask`` and ``seq_len``. It is written

@@ -13,6 +13,11 @@ Everything that can be checked cheaply is checked before the model loads: the op
 of the data (its JSON, key and text), and the store, whose lock this job takes at once and holds to
 the end (handing it to its consumer), so a second extraction into the same ``--out`` is refused
 right away instead of capturing every sample again.
+Split extraction (:mod:`hscapture.partition`): ``--shard I/N`` captures only the samples whose key
+hashes to ``I`` modulo ``N`` into ``OUT/part-<I>-of-<N>``, so N jobs on any hosts capture every
+sample once, each resumable on its own. ``--data-parallel K`` runs K such jobs on this host, one per
+GPU, each in its own process with its own engine, ring and consumer (:mod:`hscapture.parallel`),
+under one progress bar. ``hscapture.open_store(OUT)`` reads the parts as one dataset.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +39,9 @@ from hscapture.config import STORE_DTYPES, MiB, ensure_writable_dir, flag, store
 from hscapture.consumer import consume_command
 from hscapture.data import Sample, keyed_records, load_samples
 from hscapture.errors import HSCaptureError
+from hscapture.parallel import Job, run_jobs
+from hscapture.partition import Part
+from hscapture.store.collection import StoreSet, is_store, named_part, part_dir, part_dirs
 from hscapture.store.files import StoreLock, group_id, lock_store, prepare_store_dir
 from hscapture.store.format import META_FILE, check_store_dtype
 from hscapture.store.reader import Store, open_store
@@ -71,8 +79,8 @@ class ExtractOptions:
     #: Every new padded length is a new shape, and a fresh process pays a one-time cost per shape; on the
     #: extract benchmark's data 64 makes a run meet ~5x fewer shapes (168 -> 34) for ~2% more padding.
     pad_to_multiple: int = 64
-    #: Capture only the first this many records of the data; a rerun with the same limit resumes
-    #: exactly those (it does not mean this many more).
+    #: Capture only the first this many records of the data (with --shard or --data-parallel, each job
+    #: its share of them); a rerun with the same limit resumes exactly those (not this many more).
     limit: int | None = None
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
@@ -98,6 +106,12 @@ class ExtractOptions:
     #: Let this group read the store (directory setgid 2750, files 0640); by default it is private
     #: to you (0700, 0600), or shared as an existing store already is.
     share_group: str | None = None
+    #: This job's part ``I/N`` of the data: the samples whose key hashes to I modulo N, written to
+    #: ``OUT/part-<I>-of-<N>``; N jobs (on any hosts) capture every sample once, each resumable.
+    shard: str | None = None
+    #: Jobs on this host, one per GPU (``--device cuda``), each with its own engine, ring and consumer,
+    #: writing ``OUT/part-<i>-of-<K>`` (with ``--shard I/N``: parts ``I+N*i`` of ``N*K``).
+    data_parallel: int = 1
 
 
 @dataclass
@@ -112,6 +126,10 @@ class ExtractSummary:
     empty_loss_mask: int = 0
     #: From starting the consumer process to its attach (imports, ring, buffers): paid once per run.
     startup_seconds: float = 0.0
+    #: The store written: ``--out``, its part for a ``--shard`` job, ``--out`` (the set) for several jobs.
+    out: Path | None = None
+    #: Unix time the capture began (the engine's start), for the span of jobs run side by side.
+    started_at: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -258,37 +276,168 @@ def open_engine(options: ExtractOptions) -> OfflineEngine:
     )  # fmt: skip
 
 
-def extract(options: ExtractOptions) -> ExtractSummary:
+#: Makes a job's progress bar from its total tokens: tqdm, or one feeding a shared bar (``parallel``).
+BarFactory = Callable[[int], Any]
+
+
+def extract(options: ExtractOptions, bar: BarFactory | None = None) -> ExtractSummary:
     """Run the whole extraction; see the module docstring.
+
+    Args:
+        options: what to extract.
+        bar: makes the progress bar (default: tqdm on stderr unless ``options.progress`` is off).
 
     Raises:
         ValueError: bad options (nothing to capture, a missing device, layer out of range, unreadable
-            data, unwritable output); checked before the model loads.
+            data, unwritable output, a bad ``--shard`` or ``--data-parallel``, an ``--out`` holding another
+            split); checked before the model loads.
         StoreError: another process writes the store (refused at once, naming its pid).
-        HSCaptureError: the consumer process failed.
+        HSCaptureError: the consumer process failed (for several jobs: the first job that failed).
     """
     out = Path(options.out)
     data = check_options(options)
     ensure_writable_dir(out, "--out")
+    parts = split_parts(options)
+    check_out_layout(out, parts)
+    if len(parts) > 1:
+        prepare_store_dir(out, options.share_group, what="directory of parts")
+        return _extract_parallel(options, out, parts)
+    part = parts[0] if parts else None
+    if part is not None:  # this job's store is its part of --out
+        prepare_store_dir(out, options.share_group, what="directory of parts")
+        out = ensure_writable_dir(out / part_dir(part), "--out")
+        options = replace(options, out=out)
     lock = lock_store(out, 1.0, prepare_store_dir(out, options.share_group))
     try:
         check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
         engine = open_engine(options)
         try:
-            return _run(engine, options, out, data, lock)
+            return _run(engine, options, out, data, part, lock, bar or _tqdm_bar(options.progress))
         finally:
             engine.shutdown()
     finally:
         lock.close()
 
 
-def _run(engine: OfflineEngine, options: ExtractOptions, out: Path, data: Path, lock: StoreLock) -> ExtractSummary:
+def _tqdm_bar(show: bool) -> BarFactory:
+    return lambda total: tqdm(total=total, unit="tok", disable=not show)
+
+
+def split_parts(options: ExtractOptions) -> list[Part]:
+    """The parts this command captures: none (one store at ``--out``), or one per job.
+
+    Raises:
+        ValueError: a bad ``--shard`` (not ``I/N`` with ``0 <= I < N``) or ``--data-parallel`` (< 1).
+    """
+    if isinstance(options.data_parallel, bool) or not isinstance(options.data_parallel, int):
+        raise TypeError(f"--data-parallel: must be an int, got {options.data_parallel!r}")
+    if options.data_parallel < 1:
+        raise ValueError(f"--data-parallel: {options.data_parallel}; give the number of jobs (one per GPU), at least 1")
+    if options.shard is None and options.data_parallel == 1:
+        return []
+    part = Part.parse(options.shard) if options.shard is not None else Part(0, 1)
+    return part.split(options.data_parallel)
+
+
+def check_out_layout(out: Path, parts: list[Part]) -> None:
+    """Refuse an ``--out`` that holds another layout: a store where parts go, parts where a store goes, or
+    parts of another split holding keys these parts would capture again.
+
+    Raises:
+        ValueError: naming what ``out`` holds and the fix.
+    """
+    found = part_dirs(out)
+    if not parts:
+        if found and not is_store(out):
+            names = ", ".join(p.name for p in found[:4])
+            raise ValueError(
+                f"--out: {out} holds the parts of a split extraction ({names}); resume it with the same --shard and "
+                "--data-parallel, read it with hscapture.open_store, or give another --out"
+            )
+        return
+    if is_store(out):
+        raise ValueError(
+            f"--out: {out} is the store of an extraction without --shard or --data-parallel; a split extraction "
+            "writes its parts (OUT/part-<i>-of-<n>) into a directory of their own: give another --out"
+        )
+    for path in found:
+        held = named_part(path)
+        if held is None or held in parts:
+            continue
+        for part in parts:
+            if held.overlaps(part):
+                raise ValueError(
+                    f"--out: {path} (part {held} of another split of the data) holds keys that part {part} would "
+                    f"capture again; resume that split (--shard/--data-parallel giving part {held}), or give "
+                    "another --out"
+                )
+
+
+def job_environments(options: ExtractOptions, jobs: int) -> list[dict[str, str]]:
+    """Each job's GPUs, as ``CUDA_VISIBLE_DEVICES``: one GPU per job for ``hf``; for ``sglang`` an equal
+    share of the visible GPUs (for SGLang's own ``--tp-size``). Nothing for CPU jobs.
+
+    Raises:
+        ValueError: a device index with several jobs, or fewer GPUs than jobs.
+    """
+    if jobs == 1 or not options.device.startswith("cuda"):
+        return [{} for _ in range(jobs)]
+    if options.device != "cuda":
+        raise ValueError(
+            f"--device {options.device} with --data-parallel {jobs}: give --device cuda; job i runs on the i-th "
+            "visible GPU (set CUDA_VISIBLE_DEVICES to choose them)"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = [g.strip() for g in visible.split(",") if g.strip()]
+    else:
+        import torch
+
+        gpus = [str(i) for i in range(torch.cuda.device_count())]
+    if len(gpus) < jobs:
+        raise ValueError(
+            f"--data-parallel {jobs}: {len(gpus)} GPUs visible; give at most {len(gpus)} (one job per GPU)"
+        )
+    share = len(gpus) // jobs if options.engine == "sglang" else 1
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * share : (i + 1) * share])} for i in range(jobs)]
+
+
+def _extract_parallel(options: ExtractOptions, out: Path, parts: list[Part]) -> ExtractSummary:
+    """One job per part, each in its own process (``hscapture extract --shard`` there), under one bar."""
+    environments = job_environments(options, len(parts))
+    jobs = [
+        Job(part_dir(part), (replace(options, shard=str(part), data_parallel=1, progress=False),), env)
+        for part, env in zip(parts, environments)
+    ]
+    results: list[ExtractSummary] = run_jobs(extract, jobs, show=options.progress)
+    ran = [r for r in results if r.samples]
+    began = min((r.started_at for r in ran), default=0.0)
+    seconds = max((r.started_at + r.seconds for r in ran), default=began) - began
+    summary = StoreSet([out]).summary() if any(r.store for r in results) else {}
+    return ExtractSummary(
+        sum(r.samples for r in results), sum(r.tokens for r in results), seconds, sum(r.skipped for r in results),
+        summary, out=out, started_at=began,
+    )  # fmt: skip
+
+
+def _run(
+    engine: OfflineEngine,
+    options: ExtractOptions,
+    out: Path,
+    data: Path,
+    part: Part | None,
+    lock: StoreLock,
+    bar: BarFactory,
+) -> ExtractSummary:
     skip = done_keys(out)
-    samples = list(load_samples(data, engine.tokenizer, options.max_length, skip_keys=skip, limit=options.limit))
+    keep = part.owns if part is not None else None
+    samples = list(
+        load_samples(data, engine.tokenizer, options.max_length, skip_keys=skip, limit=options.limit, keep=keep)
+    )
     if skip:
         print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
     if not samples:  # nothing left to capture: no producer, no consumer
-        return ExtractSummary(0, 0, 0.0, len(skip), open_store(out).summary() if skip else {})
+        return ExtractSummary(0, 0, 0.0, len(skip), open_store(out).summary() if skip else {}, out=out)
     empty = sum(not any(sample.loss_mask) for sample in samples)
     batches = engine.plan(samples)
     endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
@@ -300,23 +449,23 @@ def _run(engine: OfflineEngine, options: ExtractOptions, out: Path, data: Path, 
             raise consumer_error(consumer.returncode, out, "; the engine was stopped")
 
     try:
-        engine.start(endpoint, {"data": str(data)}, consumer_alive)
+        engine.start(endpoint, {"data": str(data), **({"part": str(part)} if part else {})}, consumer_alive)
     except BaseException:
         consumer.kill()
         raise
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     tokens = 0
     ended = False
     try:
-        with tqdm(total=sum(len(s.input_ids) for s in samples), unit="tok", disable=not options.progress) as bar:
+        with bar(sum(len(s.input_ids) for s in samples)) as progress:
             done = 0
             for batch in batches:
                 consumer_alive()
                 waited = engine.waited_s()
                 tokens += engine.run(batch)
                 done += len(batch)
-                bar.set_postfix_str(_status(done, len(samples), waited, engine.waited_s()), refresh=False)
-                bar.update(sum(len(s.input_ids) for s in batch))
+                progress.set_postfix_str(_status(done, len(samples), waited, engine.waited_s()), refresh=False)
+                progress.update(sum(len(s.input_ids) for s in batch))
         engine.end()
         ended = True
     finally:
@@ -328,7 +477,9 @@ def _run(engine: OfflineEngine, options: ExtractOptions, out: Path, data: Path, 
         raise consumer_error(code, out)
     store = open_store(out)
     engine.check(store)
-    return ExtractSummary(len(samples), tokens, seconds, len(skip), store.summary(), empty, started - launched)
+    return ExtractSummary(
+        len(samples), tokens, seconds, len(skip), store.summary(), empty, started - launched, out, started_at
+    )
 
 
 def capture_failure(out: Path) -> str:

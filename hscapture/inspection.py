@@ -1,7 +1,9 @@
 """``hscapture inspect``: what a store holds, for people (a short text) and scripts (a JSON dict).
 
 Everything comes from the index and ``meta.json`` through :class:`~hscapture.store.reader.Store`
-(plus a ``stat`` of the directory's files); no shard is opened, so it is quick on any size.
+(plus a ``stat`` of the directory's files); no shard is opened, so it is quick on any size. A set of
+parts (:class:`~hscapture.store.collection.StoreSet`) gets the totals (each key once), one line per
+part, the keys held by two parts and the set's other problems.
 """
 
 from __future__ import annotations
@@ -9,23 +11,27 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hscapture.config import MiB
-from hscapture.store.reader import open_store
+from hscapture.store.collection import StoreSet, open_store
+from hscapture.store.reader import Store
 
 #: Capture-config keys not worth a person's attention in the text view (the JSON has them all).
 _QUIET_CONFIG = ("endpoint", "token", "block_timeout_s")
 
 
-def inspect_store(path: str | Path, max_listed: int = 10) -> dict[str, Any]:
-    """A summary of the store at ``path``; lists (incomplete samples, runs) hold at most ``max_listed``.
+def inspect_store(path: str | Path | Sequence[str | Path], max_listed: int = 10) -> dict[str, Any]:
+    """A summary of the store at ``path`` (or the set of parts there, or in a list); lists (incomplete
+    samples, runs, duplicate keys) hold at most ``max_listed``.
 
     Raises:
-        StoreError: ``path`` is not a store.
+        StoreError: ``path`` is neither a store nor a directory of parts.
     """
     store = open_store(path)
+    roots = [part.root for part in store.parts] if isinstance(store, StoreSet) else [store.root]
     meta = store.metadata()
     summary = store.summary()
     records = [store.record(key) for key in store]
@@ -48,7 +54,7 @@ def inspect_store(path: str | Path, max_listed: int = 10) -> dict[str, Any]:
         "loss_tokens": sum(end - start for r in records for start, end in r["loss_mask"]),
         "shards": summary["shards"],
         "bytes": summary["bytes"],
-        "bytes_on_disk": sum(p.stat().st_size for p in store.root.iterdir() if p.is_file()),
+        "bytes_on_disk": sum(p.stat().st_size for root in roots for p in root.iterdir() if p.is_file()),
         "rows_dropped": summary["rows_dropped"],
         "requests_with_drops": sum(r["dropped_rows"] > 0 for r in records),
         "incomplete_reasons": dict(reasons.most_common()),
@@ -61,7 +67,24 @@ def inspect_store(path: str | Path, max_listed: int = 10) -> dict[str, Any]:
         "engine": latest.get("engine"),
         "model": latest.get("model"),
         "capture": latest.get("config", {}),
+        **(_set_report(store, max_listed) if isinstance(store, StoreSet) else {}),
     }
+
+
+def _set_report(store: StoreSet, max_listed: int) -> dict[str, Any]:
+    """Each part's counts, the keys held by more than one part, and the set's problems."""
+    return {
+        "parts": [_part(part) for part in store.parts],
+        "duplicates": len(store.duplicates),
+        "duplicate_keys": [{"id": key, "parts": held} for key, held in list(store.duplicates.items())[:max_listed]],
+        "problems": store.problems,
+    }
+
+
+def _part(part: Store) -> dict[str, Any]:
+    summary = part.summary()
+    fields = ("requests", "complete", "incomplete", "rows", "shards", "bytes")
+    return {"store": str(part.root), **{name: summary[name] for name in fields}}
 
 
 def _reason_kind(reason: str) -> str:
@@ -73,6 +96,7 @@ def _run(run: dict[str, Any]) -> dict[str, Any]:
     end = run.get("end") or {}
     meta = run.get("meta", {})
     return {
+        **({"part": run["part"]} if "part" in run else {}),
         "run_id": run["run_id"],
         "time": run.get("time"),
         "engine": meta.get("engine"),
@@ -85,8 +109,10 @@ def _run(run: dict[str, Any]) -> dict[str, Any]:
 def format_inspection(report: dict[str, Any]) -> str:
     """The report as a short text for a terminal."""
     dropped = report["rows_dropped"]
+    parts = report.get("parts")
     lines = [
-        f"store      {report['store']} ({report['format']} v{report['version']})",
+        f"store      {report['store']} ({report['format']} v{report['version']})"
+        + (f", a set of {len(parts)} parts" if parts is not None else ""),
         f"engine     {report['engine'] or '?'}, model {report['model'] or '?'}",
         f"tensors    {len(report['tensors'])} x {report['hidden_size']} {report['dtype']}",
         *(f"  {t['name']:<9} {t['description']}" for t in report["tensors"]),
@@ -111,6 +137,16 @@ def format_inspection(report: dict[str, Any]) -> str:
         )
     if report["runs_total"] > len(report["runs"]):
         lines.append(f"  ... {report['runs_total'] - len(report['runs'])} earlier runs")
+    if parts is not None:
+        lines.append(f"parts      {len(parts)}, {report['duplicates']:,} keys in more than one part")
+    for part in parts or ():
+        lines.append(
+            f"  {part['store']}: {part['requests']:,} requests ({part['complete']:,} complete), "
+            f"{part['rows']:,} tokens, {part['shards']:,} shards, {part['bytes'] / MiB:,.1f} MiB"
+        )
+    for duplicate in report.get("duplicate_keys", []):
+        lines.append(f"  duplicate {duplicate['id']!r} in {' and '.join(duplicate['parts'])}")
+    lines.extend(f"  problem: {problem}" for problem in report.get("problems", []))
     if report["incomplete"]:
         lines.append("incomplete " + "; ".join(f"{n:,} x {kind}" for kind, n in report["incomplete_reasons"].items()))
         for sample in report["incomplete_samples"]:

@@ -33,8 +33,8 @@ from hscapture.integrations.sglang import (
 )
 from hscapture.integrations.sglang_models import launch_plan
 from hscapture.keys import KEYS_ENV, ensure_keys
+from hscapture.store.collection import open_store
 from hscapture.store.files import prepare_store_dir
-from hscapture.store.reader import open_store
 
 
 @dataclass

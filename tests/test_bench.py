@@ -234,3 +234,33 @@ def test_graph_replayed_decode_stores_exactly_the_eager_forward_states(tmp_path:
             # bf16 tolerance: cuBLAS may pick another algorithm on the capture stream; a row of another
             # request or position would differ entirely
             torch.testing.assert_close(sample[name], want)
+
+
+@pytest.mark.slow
+def test_parallel_suite_tiny_cpu_compares_two_jobs_with_one(tmp_path: Path) -> None:
+    """`run.py parallel`: extract --data-parallel 1 then 2 over the same data, same keys, a ratio and its goal."""
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:parallel-tiny-cpu:begin -->\nold\n<!-- bench:parallel-tiny-cpu:end -->\n")
+    done = run_bench(
+        "benchmarks/run.py", "parallel", "--tiny", "--device", "cpu", "--tokens", "3000", "--conversations", "6",
+        "--results-dir", tmp_path / "results", "--readme", readme, "--work-dir", tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    record = json.loads((tmp_path / "results" / "parallel-tiny-cpu.json").read_text())
+    assert record["complete"] and record["settings"]["jobs"] == 2
+    assert record["settings"]["extract_options"].startswith("--layers 4 --no-last --store-dtype fp8")
+    one, two = record["results"]["jobs_1"], record["results"]["jobs_2"]
+    assert one["samples"] == two["samples"] == one["store"]["complete"] == two["store"]["complete"] == 6
+    assert one["tokens"] == two["tokens"] and "--data-parallel 2" in two["command"]
+    assert record["results"]["ratio"] == round(two["tok_per_s"] / one["tok_per_s"], 3)
+    assert record["goals"]["jobs_2_vs_1"]["target"] == ">= 1.9"
+    assert "| `--data-parallel 2` |" in readme.read_text() and "old" not in readme.read_text()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("hscapture-parallel-")] == []  # work removed
+
+
+def test_parallel_suite_without_enough_gpus_says_so_and_writes_nothing(tmp_path: Path) -> None:
+    if torch.cuda.device_count() >= 64:
+        pytest.skip("this host has 64 GPUs")
+    done = run_bench("benchmarks/run.py", "parallel", "--jobs", "64", "--results-dir", tmp_path, "--readme", tmp_path)
+    assert done.returncode == 0 and "--jobs 64 needs 64 GPUs" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []

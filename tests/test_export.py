@@ -69,6 +69,24 @@ def store_dir(tiny_model: Path, demo_data: Path, tmp_path_factory: pytest.TempPa
     return out
 
 
+@pytest.fixture(scope="module")
+def parts_dir(tiny_model: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same extraction by two jobs at once (``--data-parallel 2``): a directory of two parts."""
+    out = tmp_path_factory.mktemp("parts") / "set"
+    options = ExtractOptions(
+        out=out, model=tiny_model, data=demo_data, layers=LAYERS, max_batch_tokens=BATCH_TOKENS, data_parallel=2,
+        progress=False,
+    )  # fmt: skip
+    assert extract(options).store["complete"] == SAMPLES
+    return out
+
+
+@pytest.fixture(scope="module", params=["one store", "two parts"])
+def source(request: pytest.FixtureRequest) -> Path:
+    """What the trainers' exports are made from: the store, or the same data as a set of two parts."""
+    return request.getfixturevalue("store_dir" if request.param == "one store" else "parts_dir")
+
+
 def trained_keys(store_dir: Path) -> list[str]:
     """The store's keys, in store order, whose loss mask marks at least one token."""
     store = open_store(store_dir)
@@ -101,26 +119,26 @@ def speculators_table(out: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def specforge_export(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def specforge_export(source: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("exports") / "specforge"
-    result = run_cli("export", store_dir, out, "--format", "specforge", "--no-progress")
+    result = run_cli("export", source, out, "--format", "specforge", "--no-progress")
     assert result.returncode == 0, result.stderr
     return out, result.stdout
 
 
 @pytest.fixture(scope="module")
-def speculators_export(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def speculators_export(source: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("exports") / "speculators"
-    result = run_cli("export", store_dir, out, "--format", "speculators", "--no-progress")
+    result = run_cli("export", source, out, "--format", "speculators", "--no-progress")
     assert result.returncode == 0, result.stderr
     return out, result.stdout
 
 
 def test_specforge_export_leaves_out_samples_with_nothing_to_train(
-    specforge_export: tuple[Path, str], store_dir: Path
+    specforge_export: tuple[Path, str], source: Path
 ) -> None:
     out, stdout = specforge_export
-    trained = trained_keys(store_dir)
+    trained = trained_keys(source)
     assert len(trained) == CONVERSATIONS
     assert f"wrote {CONVERSATIONS} samples" in stdout and "final last" in stdout
     assert f"{PROMPT_ONLY} samples with an empty loss mask left out" in stdout and "--keep-empty-loss-mask" in stdout
@@ -130,11 +148,11 @@ def test_specforge_export_leaves_out_samples_with_nothing_to_train(
     assert [p.relative_to(out).as_posix() for p in files] == sorted(f"rows_0-2000/data_{i}.ckpt" for i in ids)
 
 
-def test_specforge_offline_loader_yields_exactly_the_store(specforge_export: tuple[Path, str], store_dir: Path) -> None:
+def test_specforge_offline_loader_yields_exactly_the_store(specforge_export: tuple[Path, str], source: Path) -> None:
     """SpecForge's reader -> feature store -> FeatureDataLoader -> normalizer -> collator, batch by batch."""
     require("specforge")
     out, _ = specforge_export
-    store = open_store(store_dir)
+    store = open_store(source)
     ids = manifest_ids(out)
     seen = []
     for files, batch in specforge_batches(out, MAX_LEN, batch_size=4):
@@ -168,22 +186,20 @@ def test_specforge_offline_loader_yields_exactly_the_store(specforge_export: tup
 
 
 def test_speculators_export_leaves_out_samples_with_nothing_to_train(
-    speculators_export: tuple[Path, str], store_dir: Path
+    speculators_export: tuple[Path, str], source: Path
 ) -> None:
     out, stdout = speculators_export
     assert f"wrote {CONVERSATIONS} samples" in stdout and "final layer_8" in stdout
     assert f"{PROMPT_ONLY} samples with an empty loss mask left out" in stdout
-    assert list(manifest_ids(out).values()) == trained_keys(store_dir)
+    assert list(manifest_ids(out).values()) == trained_keys(source)
     assert speculators_table(out) == CONVERSATIONS
 
 
-def test_speculators_arrow_dataset_yields_exactly_the_store(
-    speculators_export: tuple[Path, str], store_dir: Path
-) -> None:
+def test_speculators_arrow_dataset_yields_exactly_the_store(speculators_export: tuple[Path, str], source: Path) -> None:
     """speculators' ArrowDataset with the hs-connectors file transfer, sample by sample."""
     require("speculators", "hs_connectors")
     out, _ = speculators_export
-    store = open_store(store_dir)
+    store = open_store(source)
     ids = manifest_ids(out)
     dataset = speculators_dataset(out, MAX_LEN)
     assert len(dataset) == CONVERSATIONS
@@ -200,13 +216,11 @@ def test_speculators_arrow_dataset_yields_exactly_the_store(
         assert item["lengths"].tolist() == [n] and torch.equal(item["position_ids"], torch.arange(n))
 
 
-def test_speculators_eagle3_loaders_pack_exactly_the_store(
-    speculators_export: tuple[Path, str], store_dir: Path
-) -> None:
+def test_speculators_eagle3_loaders_pack_exactly_the_store(speculators_export: tuple[Path, str], source: Path) -> None:
     """The train/val loaders of `speculators train --speculator-type eagle3`: split, packing, shift, collation."""
     require("speculators", "hs_connectors")
     out, _ = speculators_export
-    store = open_store(store_dir)
+    store = open_store(source)
     ids = manifest_ids(out)
     hidden = store.metadata()["hidden_size"]
     total = 2 * max(len(store.get(key, tensors=[])["input_ids"]) for key in ids.values())  # two or more per batch

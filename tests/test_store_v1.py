@@ -120,7 +120,8 @@ def test_a_new_run_appends_to_an_old_store(old_store: tuple[str, Path]) -> None:
 def test_readers_load_neither_the_writer_nor_the_ring_nor_the_wire() -> None:
     script = (
         "import sys\n"
-        "import hscapture.store.reader, hscapture.store.verify, hscapture.export, hscapture.dataset\n"
+        "import hscapture.store.reader, hscapture.store.verify, hscapture.store.collection, hscapture.export\n"
+        "import hscapture.dataset\n"
         "import hscapture.inspection, hscapture\n"
         "hscapture.open_store\n"
         "print(' '.join(sorted(sys.modules)))\n"

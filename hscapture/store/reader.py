@@ -318,5 +318,6 @@ class Store:
 
 
 def open_store(path: str | Path, verify: bool = True) -> Store:
-    """Open a store directory for reading; ``verify=False`` skips the checksums of the rows returned."""
+    """Open one store directory for reading (:func:`hscapture.open_store` also opens a set of parts);
+    ``verify=False`` skips the checksums of the rows returned."""
     return Store(path, verify=verify)

@@ -1,0 +1,241 @@
+"""Jobs in processes of their own under one progress bar: ``hscapture extract --data-parallel K``.
+
+:func:`run_jobs` starts one ``spawn`` process per job (a fresh interpreter: no inherited CUDA state,
+locks or threads), each with its own environment on top of ours (e.g. ``CUDA_VISIBLE_DEVICES``),
+and calls ``target(*job.args, bar=...)`` there. The ``bar`` it is given makes tqdm-like bars whose
+counts travel back over a queue, so the jobs draw one bar together in this process. The first job
+that fails stops the others and its error is raised here, prefixed with the job's name. To stop,
+a job gets SIGINT (SIGKILL if it is still there after ``stop_timeout_s``); the SIGINT interrupts
+it at once while it loads, and at its bar's next update while it captures (between two batches,
+never inside a cleanup), so it finishes its store as on Ctrl-C; once its bar is closed it ends on
+its own. A job outlives neither this process (it stops itself when we die) nor a Ctrl-C here (the
+terminal's SIGINT reaches every job, and we wait for them to finish their stores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import queue as queues
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from hscapture.errors import HSCaptureError
+
+#: How often the parent checks its jobs and a job checks its parent.
+_POLL_S = 0.2
+
+
+@dataclass
+class Job:
+    """One process: ``target(*args, bar=...)`` with ``env`` added to the environment."""
+
+    #: Prefixes its errors and its progress (e.g. ``part-0-of-2``).
+    name: str
+    args: tuple[Any, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class _Stop:
+    """A job process's stop request (SIGINT), and how far the job is: ``loading``, ``capturing``, ``finishing``."""
+
+    requested = False
+    phase = "loading"
+
+    @classmethod
+    def check(cls) -> None:
+        if cls.requested:
+            raise KeyboardInterrupt
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """Interrupt a loading job at once; a capturing one stops at its bar's next update; a finishing one ends."""
+    _Stop.requested = True
+    if _Stop.phase == "loading":
+        raise KeyboardInterrupt
+
+
+class QueueBar:
+    """The part of tqdm a job uses (``update``, ``set_postfix_str``, a context manager), sent to the parent.
+
+    Made when the job starts capturing; a stop request raises KeyboardInterrupt from it.
+    """
+
+    def __init__(self, channel: Any, job: int, total: int) -> None:
+        self._channel, self._job = channel, job
+        _Stop.phase = "capturing"
+        _Stop.check()
+        self._channel.put(("total", job, total))
+
+    def update(self, n: int = 1) -> None:
+        _Stop.check()
+        self._channel.put(("update", self._job, n))
+
+    def set_postfix_str(self, text: str = "", refresh: bool = True) -> None:
+        self._channel.put(("postfix", self._job, text))
+
+    def __enter__(self) -> QueueBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _Stop.phase = "finishing"
+
+
+def run_jobs(
+    target: Callable[..., Any],
+    jobs: Sequence[Job],
+    show: bool = True,
+    unit: str = "tok",
+    stop_timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run every job in its own process; return their results in job order.
+
+    Raises:
+        ValueError, TypeError: a job's bad input (the message names the job).
+        HSCaptureError: a job failed otherwise, or died without a word (its exit status).
+        KeyboardInterrupt: Ctrl-C; every job was let finish its store first.
+    """
+    context = multiprocessing.get_context("spawn")
+    channel = context.Queue()
+    processes = []
+    for index, job in enumerate(jobs):
+        process = context.Process(target=_job_main, args=(target, job, index, channel), name=f"hscapture-{job.name}")
+        with _environment(job.env):
+            process.start()
+        processes.append(process)
+    results: dict[int, Any] = {}
+    said: set[int] = set()  # jobs that reported their failure (they exit by themselves)
+    silent: set[int] = set()  # jobs seen exited without a word at the last empty poll
+    postfix = [""] * len(jobs)
+    bar = tqdm(total=0, unit=unit, unit_scale=True, disable=not show)
+    try:
+        while len(results) < len(jobs):
+            try:
+                kind, index, value = channel.get(timeout=_POLL_S)
+            except queues.Empty:
+                silent = _check_alive(jobs, processes, results, silent)
+                continue
+            if kind == "total":
+                bar.total += value
+                bar.refresh()
+            elif kind == "update":
+                bar.update(value)
+            elif kind == "postfix":
+                postfix[index] = value
+                bar.set_postfix_str(" | ".join(f"{jobs[i].name}: {text}" for i, text in enumerate(postfix) if text))
+            elif kind == "done":
+                results[index] = value
+            else:
+                said.add(index)
+                raise _job_error(jobs[index].name, value)
+    except BaseException:
+        _stop(processes, said | set(results), stop_timeout_s)
+        raise
+    finally:
+        bar.close()
+    for process in processes:
+        process.join()
+    return [results[i] for i in range(len(jobs))]
+
+
+def _check_alive(jobs: Sequence[Job], processes: list[Any], results: dict[int, Any], silent: set[int]) -> set[int]:
+    """Raise for a job whose process ended without sending its result (killed, or crashed in C).
+
+    A job sends its last message before it exits, so one seen exited at two empty polls in a row
+    sent none. Returns the jobs seen exited without a result at this poll.
+    """
+    exited = {i for i, process in enumerate(processes) if i not in results and process.exitcode is not None}
+    for index in sorted(exited & silent):
+        raise HSCaptureError(
+            f"{jobs[index].name}: its process exited with status {processes[index].exitcode} and no result"
+        )
+    return exited
+
+
+def _job_error(name: str, failure: tuple[str, str]) -> BaseException:
+    """The parent's exception for a job's failure, of a class the command line maps to the right exit status."""
+    kind, text = failure
+    if kind == "KeyboardInterrupt":
+        return KeyboardInterrupt()
+    if kind in ("ValueError", "TypeError"):
+        return {"ValueError": ValueError, "TypeError": TypeError}[kind](f"{name}: {text}")
+    return HSCaptureError(f"{name}: {text}")
+
+
+def _stop(processes: list[Any], ending: set[int], timeout_s: float) -> None:
+    """SIGINT every running job but those ``ending`` on their own (each finishes its store), then
+    SIGKILL what is left after ``timeout_s``."""
+    for index, process in enumerate(processes):
+        if index not in ending and process.exitcode is None and process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGINT)
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+
+
+class _environment:
+    """``os.environ`` with ``extra`` set while a process starts (spawn copies the environment then)."""
+
+    def __init__(self, extra: dict[str, str]) -> None:
+        self.extra = extra
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        self.saved = {name: os.environ.get(name) for name in self.extra}
+        os.environ.update(self.extra)
+
+    def __exit__(self, *exc: object) -> None:
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _job_main(target: Callable[..., Any], job: Job, index: int, channel: Any) -> None:
+    """A job's process: run it, send its result or its failure; stop when the parent dies."""
+    signal.signal(signal.SIGINT, _on_sigint)
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(_POLL_S)
+        channel.cancel_join_thread()  # nobody reads the queue any more: never hang at exit on it
+        signal.raise_signal(signal.SIGINT)  # orphaned: finish the store and exit, as on Ctrl-C
+
+    threading.Thread(target=watch_parent, name="hscapture-watch-parent", daemon=True).start()
+    try:
+        result = target(*job.args, bar=lambda total: QueueBar(channel, index, total))
+    except BaseException as exc:  # every failure goes to the parent, which decides
+        _Stop.phase = "finishing"
+        if not isinstance(exc, (ValueError, TypeError, HSCaptureError, KeyboardInterrupt)):
+            traceback.print_exc(file=sys.stderr)  # unexpected: the parent gets the message, stderr the trace
+        _send(channel, ("failed", index, (type(exc).__name__, _text(exc))))
+        sys.exit(1)
+    _Stop.phase = "finishing"
+    _send(channel, ("done", index, result))
+
+
+def _send(channel: Any, message: tuple[str, int, Any]) -> None:
+    """Put the job's last message and wait until it is in the pipe (the process may exit right after)."""
+    channel.put(message)
+    channel.close()
+    channel.join_thread()
+
+
+def _text(exc: BaseException) -> str:
+    known = isinstance(exc, (ValueError, TypeError, HSCaptureError, KeyboardInterrupt))
+    return str(exc) if known else f"{type(exc).__name__}: {exc}"
