@@ -295,9 +295,9 @@ def extract(options: ExtractOptions, bar: BarFactory | None = None) -> ExtractSu
         HSCaptureError: the consumer process failed (for several jobs: the first job that failed).
     """
     out = Path(options.out)
+    parts = split_parts(options)
     data = check_options(options)
     ensure_writable_dir(out, "--out")
-    parts = split_parts(options)
     check_out_layout(out, parts)
     if len(parts) > 1:
         prepare_store_dir(out, options.share_group, what="directory of parts")
@@ -327,12 +327,18 @@ def split_parts(options: ExtractOptions) -> list[Part]:
     """The parts this command captures: none (one store at ``--out``), or one per job.
 
     Raises:
-        ValueError: a bad ``--shard`` (not ``I/N`` with ``0 <= I < N``) or ``--data-parallel`` (< 1).
+        ValueError: a bad ``--shard`` (not ``I/N`` with ``0 <= I < N``) or ``--data-parallel`` (< 1, or
+            several jobs on one named GPU).
     """
     if isinstance(options.data_parallel, bool) or not isinstance(options.data_parallel, int):
         raise TypeError(f"--data-parallel: must be an int, got {options.data_parallel!r}")
     if options.data_parallel < 1:
         raise ValueError(f"--data-parallel: {options.data_parallel}; give the number of jobs (one per GPU), at least 1")
+    if options.data_parallel > 1 and options.device.startswith("cuda") and options.device != "cuda":
+        raise ValueError(
+            f"--device {options.device} with --data-parallel {options.data_parallel}: give --device cuda; job i "
+            "runs on the i-th visible GPU (set CUDA_VISIBLE_DEVICES to choose them)"
+        )
     if options.shard is None and options.data_parallel == 1:
         return []
     part = Part.parse(options.shard) if options.shard is not None else Part(0, 1)
@@ -382,11 +388,6 @@ def job_environments(options: ExtractOptions, jobs: int) -> list[dict[str, str]]
     """
     if jobs == 1 or not options.device.startswith("cuda"):
         return [{} for _ in range(jobs)]
-    if options.device != "cuda":
-        raise ValueError(
-            f"--device {options.device} with --data-parallel {jobs}: give --device cuda; job i runs on the i-th "
-            "visible GPU (set CUDA_VISIBLE_DEVICES to choose them)"
-        )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         gpus = [g.strip() for g in visible.split(",") if g.strip()]
