@@ -40,8 +40,8 @@ from torch.utils.data import DataLoader
 
 from benchmarks.report import Outcome, SuiteSpec
 from hscapture import open_store
-from hscapture.dataset import CaptureDataset
 from hscapture.config import MiB
+from hscapture.dataset import CaptureDataset
 from hscapture.integrations.hf import describe
 from hscapture.store.records import Finish
 from hscapture.store.writer import RowGeometry, StoreWriter
@@ -83,7 +83,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
 
 def write_store(root: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """Random rows through the real StoreWriter: requests of 0.5x-1.5x ``sample_tokens`` rows, each finished."""
-    names = tuple(f"layer_{k}" for k in LAYERS) + ("last",)
+    names = (*(f"layer_{k}" for k in LAYERS), "last")
     geometry = RowGeometry(names, tuple(describe(LAYERS, True, NUM_LAYERS)), settings["dtype"], settings["hidden"])
     plane_bytes = geometry.plane_row_bytes
     total_rows = max(1, int(settings["gib"] * GiB) // geometry.row_bytes)
