@@ -66,10 +66,15 @@ def commit() -> str:
 
 
 def dirty() -> bool | None:
-    """Whether the working tree differs from the commit (None where there is no git)."""
+    """Whether the code differs from the commit (None where there is no git).
+
+    The results directory and README are left out: a suite rewrites its own record there while it runs.
+    """
     if os.environ.get("HSCAPTURE_COMMIT"):
         return None
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git(
+        "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results", ":!benchmarks/README.md"
+    )
     return None if status is None else bool(status)
 
 

@@ -263,4 +263,50 @@ def test_parallel_suite_without_enough_gpus_says_so_and_writes_nothing(tmp_path:
         pytest.skip("this host has 64 GPUs")
     done = run_bench("benchmarks/run.py", "parallel", "--jobs", "64", "--results-dir", tmp_path, "--readme", tmp_path)
     assert done.returncode == 0 and "--jobs 64 needs 64 GPUs" in done.stderr, done.stderr
+
+
+READ_README = """# Benchmarks
+
+<!-- bench:read-tiny-cpu:begin -->
+an old table
+<!-- bench:read-tiny-cpu:end -->
+"""
+
+
+@pytest.mark.slow
+def test_read_suite_tiny_writes_its_record_table_and_chart(tmp_path: Path) -> None:
+    """The read suite reads every sample of the store it wrote through each path, checks on and off."""
+    from benchmarks.read_verify import CHECKS, PATHS
+
+    results, readme = tmp_path / "results", tmp_path / "README.md"
+    readme.write_text(READ_README)
+    done = run_bench(
+        "benchmarks/run.py", "read", "--tiny", "--repeats", "2", "--results-dir", results, "--readme", readme,
+        "--work-dir", tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    record = json.loads((results / "read-tiny-cpu.json").read_text())
+    assert record["suite"] == "read" and record["name"] == "read-tiny-cpu" and record["complete"]
+    assert record["command"].startswith("python benchmarks/run.py read --tiny")
+    assert record["commit"] not in ("", "unknown") and record["settings"]["repeats"] == 2
+    store = record["results"]["store"]
+    assert store["samples"] > 0 and store["shards"] > 1 and store["shard_bytes"] > store["captured_bytes"]
+    assert store["captured_bytes"] == store["rows"] * store["row_bytes"]
+    for path in PATHS:
+        entry = record["results"][path]
+        for check in CHECKS:
+            figures = entry[check]
+            assert figures["samples_per_s"] > 0 and figures["gbps"] > 0 and len(figures["seconds"]) == 2, (path, check)
+        assert entry["verify_on_vs_off"] == round(entry["on"]["samples_per_s"] / entry["off"]["samples_per_s"], 4)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("hscapture-read-")] == []  # store removed
+    block = readme.read_text().split("<!-- bench:read-tiny-cpu:begin -->\n")[1].split("<!-- bench:read-tiny-cpu:end")[0]
+    assert "an old table" not in block and "| path | verify | samples/s | tok/s | GB/s | verify on / off |" in block
+    assert "| loader-2 | on |" in block and "![tok/s per variant](results/read-tiny-cpu.png)" in block
+    assert (results / "read-tiny-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_read_suite_refuses_bad_settings_before_writing_a_store(tmp_path: Path) -> None:
+    done = run_bench("benchmarks/run.py", "read", "--tiny", "--sample-tokens", "-3", "--results-dir", tmp_path)
+    assert done.returncode == 2
+    assert "read suite: error: --sample-tokens -3: must be > 0" in done.stderr
     assert list(tmp_path.iterdir()) == []
