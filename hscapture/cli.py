@@ -473,7 +473,7 @@ def _verify(args: argparse.Namespace) -> int:
             for path in (part for part in parts if is_store(part)):
                 repaired = repair_store(path)
                 print(format_repair(repaired), file=sys.stderr if args.json else sys.stdout, flush=True)
-        if len(args.dir) == 1 and is_store(args.dir[0]):
+        if len(args.dir) == 1 and (is_store(args.dir[0]) or not part_dirs(args.dir[0])):  # else its own error
             report = verify_store(args.dir[0], jobs=args.jobs, progress=progress)
         else:
             report = verify_set(args.dir, jobs=args.jobs, progress=progress)
