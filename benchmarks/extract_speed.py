@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from benchmarks import gpu_ring
-from benchmarks.lean_llama import LLAMA_8B, random_llama
+from benchmarks.lean_llama import LLAMA_8B, save_random_llama
 from benchmarks.report import ROOT, Outcome, SuiteSpec
 from hscapture import open_store
 from hscapture.data import load_samples, padded_length, plan_batches
@@ -82,21 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def make_model(work: Path, tiny: bool, device: torch.device) -> Path:
     """A local HF model directory: the tiny Llama, or a random-init 8B-dims Llama with the tiny tokenizer."""
     tiny_dir = ensure_tiny_model()
-    if tiny:
-        return tiny_dir
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    dims = {**LLAMA_8B, "vocab_size": max(LLAMA_8B["vocab_size"], len(tokenizer))}
-    model = random_llama(dims, device, torch.bfloat16)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    path = work / "llama-8b-dims"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return path
+    return tiny_dir if tiny else save_random_llama(work / "llama-8b-dims", LLAMA_8B, tiny_dir, device)
 
 
 def make_data(path: Path, tokenizer: Any, conversations: int, tokens: int) -> Path:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,22 @@ def random_llama(dims: dict[str, int], device: torch.device, dtype: torch.dtype)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=dtype)
     return model.eval().requires_grad_(False)
+
+
+def save_random_llama(path: Path, dims: dict[str, int], tokenizer_dir: Path, device: torch.device) -> Path:
+    """A random-init Llama of ``dims`` with the tokenizer of ``tokenizer_dir`` (vocabulary grown to fit it),
+    saved as an HF model directory at ``path`` for an extraction to load; nothing is downloaded."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = random_llama({**dims, "vocab_size": max(dims["vocab_size"], len(tokenizer))}, device, torch.bfloat16)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return path
 
 
 @dataclass

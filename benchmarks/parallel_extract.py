@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks.extract_speed import make_data, run_extract
-from benchmarks.lean_llama import random_llama
+from benchmarks.lean_llama import save_random_llama
 from benchmarks.report import Outcome, SuiteSkipped, SuiteSpec
 from hscapture import open_store
 from hscapture.tiny import ensure_tiny_model
@@ -72,21 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def make_model(work: Path, tiny: bool, device: torch.device) -> tuple[Path, int]:
     """A local HF model directory and its layer count: the tiny Llama, or a random-init 3B-dims Llama."""
     tiny_dir = ensure_tiny_model()
-    from transformers import AutoConfig, AutoTokenizer
-
     if tiny:
+        from transformers import AutoConfig
+
         return tiny_dir, AutoConfig.from_pretrained(tiny_dir).num_hidden_layers
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    dims = {**LLAMA_3B, "vocab_size": max(LLAMA_3B["vocab_size"], len(tokenizer))}
-    model = random_llama(dims, device, torch.bfloat16)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    path = work / "llama-3b-dims"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return path, dims["num_hidden_layers"]
+    return save_random_llama(work / "llama-3b-dims", LLAMA_3B, tiny_dir, device), LLAMA_3B["num_hidden_layers"]
 
 
 def describe_device(device: torch.device, jobs: int) -> tuple[dict[str, Any], str]:

@@ -187,6 +187,8 @@ def greedy_generate(
                     token_ids=input_ids.reshape(-1)[kept] if step == 0 else step_ids.reshape(-1),
                     row_index=kept.to(device) if step == 0 else None,
                 )
+            # The loop's own greedy sampling, capture on or off: a serving loop needs its tokens on the host. The
+            # capture hook above reads token ids from these host tensors and adds no sync of its own.
             next_ids = out.logits[:, -1].argmax(-1).cpu()
             for row, token in enumerate(next_ids.tolist()):
                 generated[row].append(token)
