@@ -62,6 +62,12 @@ LAYERS = "2,16,29"
 RATE_LINE = re.compile(
     r"captured (\d+) samples, (\d+) tokens in ([\d.]+) s \((\d+) tok/s; the consumer took ([\d.]+) s to start before\)"
 )
+#: extract's lines on what came before the capture: one, or one per job (``--data-parallel``).
+PREPARATION_LINE = re.compile(
+    r"^(?:job (\S+): (\d+) tokens in ([\d.]+) s from \+([\d.]+) s \(\d+ tok/s\); )?before it: "
+    r"model loaded in ([\d.]+) s, data read in ([\d.]+) s$",
+    re.M,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,7 +228,17 @@ def run_extract(model_dir: Path, data: Path, out: Path, device: str, options: li
         "credit_waits": counters.get("credit_waits"),
         "credit_wait_s": round(counters.get("credit_wait_us", 0) / 1e6, 2),
         "store": store.summary(),
+        "preparation": [_preparation(found) for found in PREPARATION_LINE.finditer(done.stdout)],
     }
+
+
+def _preparation(found: re.Match[str]) -> dict[str, Any]:
+    """One job's times: model load and data before its capture; for several jobs also its start and span."""
+    job, tokens, seconds, start, load, data = found.groups()
+    times = {"load_seconds": float(load), "data_seconds": float(data)}
+    if job is None:
+        return times
+    return {"job": job, "tokens": int(tokens), "seconds": float(seconds), "start_offset_s": float(start), **times}
 
 
 def run_probe(shapes: list[tuple[int, int]], config: Any, device: str) -> dict[str, Any]:

@@ -175,6 +175,18 @@ def table(record: dict[str, Any]) -> str:
             f"| `--data-parallel {count}` | {result['tok_per_s']:,.0f} | {ratio} | {result['seconds']:.1f} | "
             f"{result['process_seconds']:.1f} | {result['store_gbps']:.3f} |"
         )
+    phases = [
+        f"| {label} | {job.get('start_offset_s', 0.0):.1f} | {job['seconds']:.1f} | {job['load_seconds']:.1f} | "
+        f"{job['data_seconds']:.1f} |"
+        for count in (1, jobs)
+        for label, job in _phases(results.get(f"jobs_{count}", {}), count)
+    ]
+    if phases:
+        lines += [
+            "\n| job | capture starts at, s | capture s | model load s | data s (read, tokenize, batch) |",
+            "|---|---:|---:|---:|---:|",
+            *phases,
+        ]
     first = results.get("jobs_1", {})
     lines.append(
         f"\n{settings['model']}, `{settings.get('extract_options', '?')}`, {first.get('tokens', '?'):,} tokens in "
@@ -183,6 +195,14 @@ def table(record: dict[str, Any]) -> str:
         + (f" ({results['process_ratio']:.2f}x as fast with {jobs} jobs)." if "process_ratio" in results else ".")
     )
     return "\n".join(lines)
+
+
+def _phases(result: dict[str, Any], count: int) -> list[tuple[str, dict[str, Any]]]:
+    """Each job's times before and in its capture (from extract's own lines), labelled for the table."""
+    found = result.get("preparation", [])
+    if count == 1:
+        return [("`--data-parallel 1`", {"seconds": result["seconds"], **found[0]})] if found else []
+    return [(f"`--data-parallel {count}` {job['job']}", job) for job in found]
 
 
 SUITE = SuiteSpec(

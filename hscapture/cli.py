@@ -20,7 +20,7 @@ from typing import Any
 from hscapture.config import ConsumerConfig, MiB
 from hscapture.errors import HSCaptureError
 from hscapture.export import ExportOptions
-from hscapture.extract import ExtractOptions
+from hscapture.extract import ExtractOptions, ExtractSummary
 from hscapture.serve import ServeOptions
 
 #: Old spellings still accepted, per command: old flag -> the flag to use.
@@ -353,6 +353,7 @@ def _extract(args: argparse.Namespace) -> int:
         f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
         f"({summary.tokens_per_s:.0f} tok/s; the consumer took {summary.startup_seconds:.1f} s to start before); "
         f"{summary.skipped} were already there\n"
+        f"{_preparation(summary)}"
         f"store {where}{parts}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
         f"{store['rows']} rows, {store['shards']} shards, {store['bytes'] / MiB:.1f} MiB, "
         f"{store['rows_dropped']} rows dropped\n"
@@ -367,6 +368,21 @@ def _extract(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _preparation(summary: ExtractSummary) -> str:
+    """What came before the capture (model load, data), per job when several ran side by side."""
+    if not summary.jobs:
+        return f"before it: model loaded in {summary.load_seconds:.1f} s, data read in {summary.data_seconds:.1f} s\n"
+    lines = []
+    for job in summary.jobs:
+        if job.samples:
+            lines.append(
+                f"job {job.out.name if job.out else '?'}: {job.tokens} tokens in {job.seconds:.1f} s from "
+                f"+{job.started_at - summary.started_at:.1f} s ({job.tokens_per_s:.0f} tok/s); before it: model "
+                f"loaded in {job.load_seconds:.1f} s, data read in {job.data_seconds:.1f} s\n"
+            )
+    return "".join(lines)
 
 
 def _serve(args: argparse.Namespace) -> int:

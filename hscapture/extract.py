@@ -130,6 +130,11 @@ class ExtractSummary:
     out: Path | None = None
     #: Unix time the capture began (the engine's start), for the span of jobs run side by side.
     started_at: float = 0.0
+    #: Seconds to load the model (the engine's start), and to read, tokenize and batch the data: paid before capture.
+    load_seconds: float = 0.0
+    data_seconds: float = 0.0
+    #: Several jobs (``--data-parallel``): each job's own summary, in part order.
+    jobs: tuple[ExtractSummary, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -310,9 +315,12 @@ def extract(options: ExtractOptions, bar: BarFactory | None = None) -> ExtractSu
     lock = lock_store(out, 1.0, prepare_store_dir(out, options.share_group))
     try:
         check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
+        loading = time.monotonic()
         engine = open_engine(options)
+        load_seconds = time.monotonic() - loading
         try:
-            return _run(engine, options, out, data, part, lock, bar or _tqdm_bar(options.progress))
+            summary = _run(engine, options, out, data, part, lock, bar or _tqdm_bar(options.progress))
+            return replace(summary, load_seconds=load_seconds)
         finally:
             engine.shutdown()
     finally:
@@ -417,7 +425,7 @@ def _extract_parallel(options: ExtractOptions, out: Path, parts: list[Part]) -> 
     summary = StoreSet([out]).summary() if any(r.store for r in results) else {}
     return ExtractSummary(
         sum(r.samples for r in results), sum(r.tokens for r in results), seconds, sum(r.skipped for r in results),
-        summary, out=out, started_at=began,
+        summary, out=out, started_at=began, jobs=tuple(results),
     )  # fmt: skip
 
 
@@ -430,6 +438,7 @@ def _run(
     lock: StoreLock,
     bar: BarFactory,
 ) -> ExtractSummary:
+    reading = time.monotonic()
     skip = done_keys(out)
     keep = part.owns if part is not None else None
     samples = list(
@@ -441,6 +450,7 @@ def _run(
         return ExtractSummary(0, 0, 0.0, len(skip), open_store(out).summary() if skip else {}, out=out)
     empty = sum(not any(sample.loss_mask) for sample in samples)
     batches = engine.plan(samples)
+    data_seconds = time.monotonic() - reading
     endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
     launched = time.monotonic()
     consumer = start_consumer(endpoint, options, lock)
@@ -479,8 +489,9 @@ def _run(
     store = open_store(out)
     engine.check(store)
     return ExtractSummary(
-        len(samples), tokens, seconds, len(skip), store.summary(), empty, started - launched, out, started_at
-    )
+        len(samples), tokens, seconds, len(skip), store.summary(), empty, started - launched, out, started_at,
+        data_seconds=data_seconds,
+    )  # fmt: skip
 
 
 def capture_failure(out: Path) -> str:
