@@ -94,24 +94,27 @@ def measure(
     phases: list[dict[str, float]] = []
     raw_phases: list[dict[str, float]] = []
     shard_bytes = 0
+    disk = filesystem_of(work)["device"]
     for repeat in range(repeats):
         sides: list[Callable[[], None]] = []
 
         def store_side(repeat: int = repeat) -> None:
             nonlocal shard_bytes
             out = work / f"store-{repeat}"
+            watch = DiskWatch(disk)
             seconds, shard_bytes, timeline = _store_run(device, out, hidden, slot, rows, steps, states, positions,
-                                                        tokens, store_dtype, consumer_args)  # fmt: skip
+                                                        tokens, store_dtype, consumer_args, watch)  # fmt: skip
             store_s.append(seconds)
-            phases.append(timeline)
+            phases.append({**timeline, "disk": watch.summary()})
             shutil.rmtree(out, ignore_errors=True)
 
         def raw_side(repeat: int = repeat) -> None:
+            watch = DiskWatch(disk)
             write_s, fsync_s = raw_write(
-                work / f"raw-{repeat}.bin", shard_bytes or _expected_bytes(steps, rows, hidden)
+                work / f"raw-{repeat}.bin", shard_bytes or _expected_bytes(steps, rows, hidden), watch
             )
             raw_s.append(write_s + fsync_s)
-            raw_phases.append({"write_s": round(write_s, 3), "fsync_s": round(fsync_s, 3)})
+            raw_phases.append({"write_s": round(write_s, 3), "fsync_s": round(fsync_s, 3), "disk": watch.summary()})
 
         sides = [store_side, raw_side] if repeat % 2 == 0 else [raw_side, store_side]
         for side in sides:
@@ -164,6 +167,7 @@ def _store_run(
     tokens: np.ndarray,
     store_dtype: str | None,
     consumer_args: tuple[str, ...],
+    watch: DiskWatch,
 ) -> tuple[float, int, dict[str, float]]:
     """One capture into a fresh store; (seconds from the first step to the index's run_end, shard bytes, phases)."""
     config = CaptureConfig(
@@ -177,8 +181,9 @@ def _store_run(
     producer = Producer(config, tensor_descriptions=describe(LAYERS, True, NUM_LAYERS), meta={"engine": "store-rate"})
     try:
         gpu_ring.attach(producer, consumer, timeout_s=180.0)
+        watch.start()
         started = time.perf_counter()
-        watch = _ShardWatch(out / "index.jsonl", started)
+        shards = _ShardWatch(out / "index.jsonl", started)
         for step in range(steps):
             producer.capture_step(states, [f"rate-{step}"], [rows], positions, tokens)
             producer.finish_request(f"rate-{step}", "finished", num_tokens=rows)
@@ -186,11 +191,12 @@ def _store_run(
         closed = time.perf_counter() - started
         wait_run_end(out / "index.jsonl", consumer)
         seconds = time.perf_counter() - started
+        shards.stop()
         watch.stop()
     finally:
         producer.close(timeout_s=10.0)
         gpu_ring.finish_consumer(consumer, timeout_s=120.0)
-    return seconds, sum(p.stat().st_size for p in out.glob("shard-*.safetensors")), watch.phases(closed, seconds)
+    return seconds, sum(p.stat().st_size for p in out.glob("shard-*.safetensors")), shards.phases(closed, seconds)
 
 
 class _ShardWatch:
@@ -240,6 +246,65 @@ class _ShardWatch:
         }
 
 
+class DiskWatch:
+    """What the block device under the work directory wrote while a side ran (``/proc/diskstats``,
+    sampled every 20 ms on a thread): bytes, the share of the time it was busy, and GB/s per 100 ms,
+    so a store slower than the raw write shows whether the disk sat idle (a start or a tail) or
+    wrote slower (a shallow queue)."""
+
+    def __init__(self, device: str) -> None:
+        self.name = Path(device).name if device.startswith("/dev/") else ""
+        self.samples: list[tuple[float, int, int]] = []  # (seconds, sectors written, ms busy)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> tuple[int, int] | None:
+        try:
+            for line in Path("/proc/diskstats").read_text().splitlines():
+                fields = line.split()
+                if fields[2] == self.name:
+                    return int(fields[9]), int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+        return None
+
+    def start(self) -> None:
+        if self.name and self._read() is not None:
+            self._started = time.perf_counter()
+            self._thread = threading.Thread(target=self._run, name="disk-watch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            found = self._read()
+            if found is not None:
+                self.samples.append((time.perf_counter() - self._started, *found))
+            if self._stop.wait(0.02):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def summary(self) -> dict[str, Any]:
+        if len(self.samples) < 2:
+            return {}
+        (t0, s0, b0), (t1, s1, b1) = self.samples[0], self.samples[-1]
+        per_100ms, at, sectors = [], t0, s0
+        for t, s, _ in self.samples:
+            if t - at >= 0.1:
+                per_100ms.append(round((s - sectors) * 512 / (t - at) / 1e9, 2))
+                at, sectors = t, s
+        return {
+            "device": self.name,
+            "written_gb": round((s1 - s0) * 512 / 1e9, 3),
+            "seconds": round(t1 - t0, 3),
+            "busy": round((b1 - b0) / 1000 / max(t1 - t0, 1e-9), 3),
+            "gbps_per_100ms": per_100ms,
+        }
+
+
 def wait_run_end(index: Path, consumer: subprocess.Popen[Any], timeout_s: float = 600.0) -> None:
     """Poll the store's index until the consumer appends the run's ``run_end`` line."""
     deadline = time.monotonic() + timeout_s
@@ -252,11 +317,12 @@ def wait_run_end(index: Path, consumer: subprocess.Popen[Any], timeout_s: float 
     raise RuntimeError(f"{index}: no run_end line within {timeout_s:.0f} s")
 
 
-def raw_write(path: Path, nbytes: int, block: int = 64 * MiB) -> tuple[float, float]:
+def raw_write(path: Path, nbytes: int, watch: DiskWatch, block: int = 64 * MiB) -> tuple[float, float]:
     """Seconds to write ``nbytes`` of random bytes sequentially to ``path``, and then to fsync it."""
     data = memoryview(np.random.default_rng(1).integers(0, 256, min(block, nbytes), dtype=np.uint8).tobytes())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
+        watch.start()
         started = time.perf_counter()
         written = 0
         while written < nbytes:
@@ -265,6 +331,7 @@ def raw_write(path: Path, nbytes: int, block: int = 64 * MiB) -> tuple[float, fl
         os.fsync(fd)
         return wrote - started, time.perf_counter() - wrote
     finally:
+        watch.stop()
         os.close(fd)
         path.unlink(missing_ok=True)
 
@@ -394,13 +461,15 @@ def table(record: dict[str, Any]) -> str:
         f"{settings['repeats']} repeats in rotating order, {fs.get('type', '?')} on {fs.get('device', '?')}."
     )
     head = ("stored as", "first shard listed, s", "steady, GB/s", "producer closed, s", "last shard listed, s",
-            "run_end, s", "raw write, s", "raw fsync, s")  # fmt: skip
+            "run_end, s", "raw write, s", "raw fsync, s", "disk busy: store / raw")  # fmt: skip
     lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name, data in stores.items():
         for phase, raw in zip(data.get("store_phases", []), data.get("raw_phases", [])):
             keys = ("first_shard", "steady_gbps", "producer_closed", "last_shard", "run_end")
             cells = ["-" if phase.get(k) is None else phase[k] for k in keys]  # steady: needs two shards
-            lines.append(f"| {name} | " + " | ".join(map(str, [*cells, raw["write_s"], raw["fsync_s"]])) + " |")
+            disks = phase.get("disk"), raw.get("disk")
+            busy = f"{disks[0]['busy']:.2f} / {disks[1]['busy']:.2f}" if all(disks) else "-"
+            lines.append(f"| {name} | " + " | ".join(map(str, [*cells, raw["write_s"], raw["fsync_s"], busy])) + " |")
     cost = record["results"].get("device_fp8")
     if cost:
         lines.append(
