@@ -114,3 +114,22 @@ class Feed:
 
 def shard_files(root: Path) -> list[Path]:
     return sorted(root.glob("shard-*.safetensors"))
+
+
+def sharing(donor: Request, own: Request, shared: int) -> Request:
+    """A request whose first ``shared`` tokens and rows are the donor's (what the engine would compute)."""
+    rows = torch.cat([donor.rows[:, :shared], own.rows[:, shared:]], dim=1)
+    return Request(rows, np.concatenate([donor.token_ids[:shared], own.token_ids[shared:]]))
+
+
+def send(feed: Feed, request_id: str, start: int, chunk: int = 9) -> None:
+    """The request's rows from ``start`` on (the engine forwarded only those), in chunks like a chunked prefill."""
+    n = len(feed.requests[request_id].token_ids)
+    for at in range(start, n, chunk):
+        feed.chunk([(request_id, range(at, min(at + chunk, n)))])
+
+
+def finish_hit(feed: Feed, request_id: str, cached: int) -> None:
+    """The end of a request whose first ``cached`` positions came from the prefix cache."""
+    request = feed.requests[request_id]
+    feed.finish(request_id, num_tokens=len(request.token_ids), prefix_token_ids=request.token_ids[:cached])

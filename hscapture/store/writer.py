@@ -34,6 +34,7 @@ from hscapture.store.format import (
     INDEX_FILE,
     META_FILE,
     READ_VERSIONS,
+    SHARED_VERSION,
     STORE_FORMAT,
     STORE_VERSION,
     check_store_dtype,
@@ -43,6 +44,7 @@ from hscapture.store.format import (
     shard_name,
 )
 from hscapture.store.index import KEPT, IndexLog, rewrite_index
+from hscapture.store.prefixes import PrefixIndex
 from hscapture.store.records import Finish, Request, once, request_record
 from hscapture.store.recovery import recover_open_runs
 from hscapture.store.shards import ShardBuffer, ShardSpec, new_buffer, write_shard
@@ -209,6 +211,7 @@ class StoreWriter:
         # Past every shard on disk too: one left unlisted (its line lost) is never overwritten.
         self._next_shard = 1 + max(self._indexed | set(shard_files(self.root)), default=-1)
         self._complete = {r["id"] for r in records if r["type"] == "request" and r["status"] == "complete"}
+        self._prefixes = PrefixIndex(self.root, records)
         self._index = IndexLog(self.root / INDEX_FILE, self.file_mode)
         self._index.append(recover_open_runs(self.root, records, self._meta))
 
@@ -216,10 +219,14 @@ class StoreWriter:
         """Make a version-1 store version 2: every index line gets its checksum (index first: a crash
         in between leaves checksummed lines in a version-1 store, which version-1 readers ignore)."""
         rewrite_index(self.root / INDEX_FILE, records, self.file_mode)
+        self._set_version(STORE_VERSION)
+
+    def _set_version(self, version: int) -> None:
+        """Raise ``meta.json``'s version (before the first line that needs it is written)."""
         assert self._meta is not None
-        self._meta = {**self._meta, "version": STORE_VERSION}
+        log.info("%s: store version %d -> %d", self.root, self._meta["version"], version)
+        self._meta = {**self._meta, "version": version}
         write_atomic(self.root / META_FILE, json.dumps(self._meta, indent=2).encode(), self.file_mode)
-        log.info("%s: upgraded from store version 1 to %d", self.root, STORE_VERSION)
 
     # ------------------------------------------------------------------ runs
 
@@ -352,6 +359,7 @@ class StoreWriter:
                 f"for {rows} reserved rows"
             )
         owner = np.repeat(np.arange(len(request_ids)), request_rows)
+        self._prefixes.add_rows(request_ids, request_rows, positions, token_ids)
         begin = 0
         for piece in reservation.pieces:
             shard, at, count = piece._shard, piece._start, piece.rows
@@ -508,19 +516,38 @@ class StoreWriter:
         if lines:  # listed even when another shard's write failed: shards already counted as listed
             rows, nbytes = sum(line["rows"] for line in lines), sum(line["bytes"] for line in lines)
             self._index.append(lines, barrier=True, on_durable=lambda: self._durable(rows, nbytes))
-        done = []
-        for request_id, request in list(self._requests.items()):
-            if request.finished is None and not request.end_reason:
-                continue
-            if not all(s[0] in self._indexed for s in request.spans):
-                continue  # a shard still being written (or whose write failed: then never)
-            del self._requests[request_id]
-            done.append(once(request_record(request_id, request), self._complete))
+        done: list[dict[str, Any]] = []
+        progress = True
+        while progress:  # again while a line written frees one waiting for its donor's
+            progress = False
+            for request_id, request in list(self._requests.items()):
+                if request.finished is None and not request.end_reason:
+                    continue
+                if request.line is None:
+                    if not all(s[0] in self._indexed for s in request.spans):
+                        continue  # a shard still being written (or whose write failed: then never)
+                    request.line = self._shared_line(request_id, request)
+                if self._prefixes.waiting(request.line):
+                    continue
+                del self._requests[request_id]
+                line = once(request.line, self._complete)
+                if "shared" in line and self._meta is not None and self._meta["version"] < SHARED_VERSION:
+                    self._set_version(SHARED_VERSION)
+                self._prefixes.record(line, request.finished.prefix_token_ids if request.finished else None)
+                done.append(line)
+                progress = True
         self._index.append(done)
         self.requests_written += len(done)
         if failed is not None:
             shard_id, error = failed
             raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {KEPT}") from error
+
+    def _shared_line(self, request_id: str, request: Request) -> dict[str, Any]:
+        """The request's line, its missing prefix taken by reference from a donor's rows where one holds it."""
+        line = request_record(request_id, request)
+        prefix = request.finished.prefix_token_ids if request.finished is not None else None
+        shared = self._prefixes.references(line, prefix)
+        return request_record(request_id, request, shared) if shared else line
 
     def _durable(self, rows: int, nbytes: int) -> None:
         """On the index thread, once shard lines are fsync'd."""
