@@ -223,6 +223,7 @@ def unpack_rows(data: bytes, rows: int, field: str) -> np.ndarray:
     """bytes of a :class:`Chunk` field -> int64 array of ``rows``, checked."""
     if len(data) != rows * ROW_DTYPE.itemsize:
         raise ProtocolError(f"Chunk.{field}: {len(data)} bytes, expected {rows * ROW_DTYPE.itemsize} for {rows} rows")
+    return np.frombuffer(data, dtype=ROW_DTYPE)
 
 
 def unpack_prefix(message: RequestFinished) -> np.ndarray | None:
@@ -231,7 +232,6 @@ def unpack_prefix(message: RequestFinished) -> np.ndarray | None:
     if len(data) % ROW_DTYPE.itemsize:
         raise ProtocolError(f"RequestFinished.prefix_token_ids: {len(data)} bytes, not a whole number of int64")
     return np.frombuffer(data, dtype=ROW_DTYPE) if data else None
-    return np.frombuffer(data, dtype=ROW_DTYPE)
 
 
 def check_chunk(chunk: Chunk, layout: Layout, row_bytes: int) -> None:

@@ -138,6 +138,78 @@ def test_store_equals_what_sglang_returns_and_capture_changes_nothing(
             assert len(returned) == total
 
 
+#: Radix cache on: a long system prompt (chunked: > 32 tokens), then requests hitting it, whole or in part.
+SYSTEM = list(range(200, 270))
+FIRST_ROUND = [[*SYSTEM, 5, 6, 7], SYSTEM[:40] + list(range(300, 340))]
+SECOND_ROUND = [
+    [*SYSTEM, 5, 6, 7],  # identical to a first-round prompt
+    [*SYSTEM, 5, 6, 7],  # twice, in one batch
+    [*SYSTEM, 9, 10, 11, 12],  # the system prompt, then its own question
+    SYSTEM[:53] + list(range(400, 430)),  # diverging mid-prompt (not at a block edge)
+    SYSTEM[:40] + list(range(300, 330)) + [1, 2],  # the second donor's prompt, diverging later
+]
+
+
+def test_radix_cache_on_every_request_is_complete_and_shared_rows_are_the_donors(
+    tiny: Callable[[str], Path], tmp_path: Path, endpoint: str
+) -> None:
+    model = tiny("llama")
+    then = tmp_path / "then.json"
+    then.write_text(json.dumps(SECOND_ROUND))
+    store_dir = tmp_path / "store"
+    consumer = subprocess.Popen(consume_command(endpoint, store_dir, "--exit-on-eos", "--quiet"))
+    (tmp_path / "first.json").write_text(json.dumps(FIRST_ROUND))
+    command = [
+        sys.executable,
+        "-m",
+        "tests.sglang_driver",
+        "--model",
+        str(model),
+        "--prompts",
+        str(tmp_path / "first.json"),
+    ]
+    command += ["--then", str(then), "--out", str(tmp_path / "out.json"), "--capture", endpoint]
+    command += ["--engine-json", json.dumps({"disable_radix_cache": False})]
+    subprocess.run(command, check=True, env=_env(), timeout=600)
+    assert consumer.wait(60) == 0
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert verify_store(store_dir).ok
+    store = open_store(store_dir)
+    config = store.metadata()["runs"][0]["meta"]["config"]
+    aux_names = [f"layer_{k}" for k in config["layers"]]
+    sharing = 0
+    for result in results:
+        record, rows = store.record(result["rid"]), store.get(result["rid"])
+        total = len(result["prompt"]) + len(result["output_ids"]) - 1
+        assert record["status"] == "complete", record  # every donor was captured: nothing is missing
+        assert rows["input_ids"].tolist() == (result["prompt"] + result["output_ids"])[:-1]
+        assert rows["positions"].tolist() == list(range(total))
+        own = total - sum(e["end"] - e["start"] for e in record.get("shared", ()))
+        assert record["rows"] == own
+        for entry in record.get("shared", ()):  # shared rows: bitwise the donor's rows at those positions
+            sharing += 1
+            donor = store.get(entry["id"])
+            assert (
+                donor["input_ids"][entry["start"] : entry["end"]].tolist()
+                == result["prompt"][entry["start"] : entry["end"]]
+            )
+            for name in store.tensor_names:
+                assert torch.equal(
+                    rows[name][entry["start"] : entry["end"]], donor[name][entry["start"] : entry["end"]]
+                )
+        # Own rows: what SGLang itself returns for the rows it computed (the tail it returns).
+        returned = torch.tensor(result["hidden_states"], dtype=torch.float32)
+        assert 0 < len(returned) <= own
+        aux = torch.cat([rows[n].float() for n in aux_names], dim=1)[total - len(returned) :]
+        assert torch.equal(aux, returned), f"{result['rid']}: aux rows differ from SGLang's"
+    # The second round hit the cache: SGLang computes at least the last prompt token, so an identical prompt
+    # takes all the others from its donor; whatever SGLang's own usage figures say.
+    assert sharing >= 3
+    identical = [store.record(r["rid"]) for r in results[len(FIRST_ROUND) :][:2]]
+    assert all(r["shared"][0]["end"] >= len(SYSTEM) for r in identical), identical
+    assert store.summary()["rows_shared"] >= 2 * len(SYSTEM)
+
+
 #: More architectures, one engine run each: the hscapture layers asked for (exercising each setter's numbering)
 #: and the sglang.Engine options the model needs.
 ARCHITECTURE_RUNS: dict[str, tuple[str, list[int], dict[str, Any]]] = {
@@ -375,7 +447,8 @@ def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
         t.join(600)
     assert not errors, errors
     # A radix-cache hit forced: live-1's conversation again in live-1's namespace. SGLang reuses every prompt token
-    # but the last (it computes at least one), so exactly positions [0, prompt - 1) are never forwarded.
+    # but the last (it computes at least one), so exactly positions [0, prompt - 1) are never forwarded: the store
+    # takes them from live-1.
     again = {**bodies[1], "rid": "live-again", "max_tokens": 3}
     results["live-again"] = _post(f"{base}/v1/chat/completions", again)
     time.sleep(2)  # the server notices the hang-ups and aborts those requests
@@ -390,13 +463,13 @@ def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
         record = store.record(rid)
         cached = len(prompt) - 1 if rid == "live-again" else 0
         total = len(prompt) + len(output) - 1
-        if cached:  # the radix-cache hit: the store says exactly which positions it lacks
-            assert record["status"] == "incomplete" and record["missing"] == [[0, cached]], record
-        else:
-            assert record["status"] == "complete", record
+        assert record["status"] == "complete", record
+        if cached:  # the radix-cache hit: those positions are live-1's rows, by reference
+            assert [(e["id"], e["start"], e["end"]) for e in record["shared"]] == [("live-1", 0, cached)], record
+            assert record["rows"] == total - cached
         rows = store.get(rid)
-        assert rows["input_ids"].tolist() == (prompt + output)[cached:total]
-        assert rows["positions"].tolist() == list(range(cached, total))
+        assert rows["input_ids"].tolist() == (prompt + output)[:total]
+        assert rows["positions"].tolist() == list(range(total))
     for body in aborted:
         record = store.record(body["rid"])
         assert record["status"] == "incomplete" and "aborted" in record["reason"], record
