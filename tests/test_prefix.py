@@ -312,7 +312,7 @@ def test_a_killed_writer_and_a_resumed_capture_keep_references_right(tmp_path: P
     writer.close()
     store = open_store(tmp_path)
     assert [store.record(k)["status"] for k in ("a", "b", "c")] == ["complete"] * 3
-    recovered = [r for r in read_index(tmp_path) if r["type"] == "request" and r["id"] == "c"][0]
+    recovered = next(r for r in read_index(tmp_path) if r["type"] == "request" and r["id"] == "c")
     assert recovered["status"] == "incomplete" and "consumer died" in recovered["reason"]
     assert store.record("c")["shared"][0]["id"] == "b"
     assert verify_store(tmp_path).ok
