@@ -464,9 +464,12 @@ def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
         cached = len(prompt) - 1 if rid == "live-again" else 0
         total = len(prompt) + len(output) - 1
         assert record["status"] == "complete", record
-        if cached:  # the radix-cache hit: those positions are live-1's rows, by reference
-            assert [(e["id"], e["start"], e["end"]) for e in record["shared"]] == [("live-1", 0, cached)], record
+        if cached:  # the radix-cache hit: those positions are rows of a request with the same tokens, by reference
+            ((donor, start, end),) = [(e["id"], e["start"], e["end"]) for e in record["shared"]]
+            assert donor in ("live-1", "abort-1") and (start, end) == (0, cached), record  # abort-1 asked the same
             assert record["rows"] == total - cached
+            shared, given = store.get(rid), store.get(donor)
+            assert all(torch.equal(shared[n][:cached], given[n][:cached]) for n in store.tensor_names)
         rows = store.get(rid)
         assert rows["input_ids"].tolist() == (prompt + output)[:total]
         assert rows["positions"].tolist() == list(range(total))
