@@ -92,8 +92,7 @@ def main() -> None:
             "rid": o["meta_info"]["id"],
             "prompt": p,
             "output_ids": o["output_ids"],
-            # SGLang returns one list of rows for the prefill, then one row per decode step.
-            "hidden_states": [row for part in o["meta_info"]["hidden_states"] for row in _rows(part)],
+            "hidden_states": returned_rows(o["meta_info"]),
         }
         for p, o in zip(prompts, outputs)
     ]
@@ -131,8 +130,14 @@ def absorbed_mla_hook(config: dict) -> Callable[..., None]:
     return lambda module, inputs, output: None
 
 
-def _rows(part: list) -> list:
-    return part if part and isinstance(part[0], list) else [part]
+def returned_rows(meta_info: dict) -> list[list[float]]:
+    """The rows of states SGLang returned for a request (``return_hidden_states``), in position order.
+
+    SGLang returns one list of rows per prefill forward, then one row per decode step.
+    """
+    return [
+        row for part in meta_info["hidden_states"] for row in (part if part and isinstance(part[0], list) else [part])
+    ]
 
 
 if __name__ == "__main__":
