@@ -25,6 +25,7 @@ from hscapture.inspection import inspect_store
 from hscapture.store import prefixes
 from hscapture.store.format import INDEX_FILE, META_FILE, read_index, shard_name
 from hscapture.store.reader import open_store
+from hscapture.store.repair import repair_store
 from hscapture.store.records import Finish
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
@@ -336,3 +337,33 @@ def test_finish_carries_the_prefix_token_ids_over_the_wire() -> None:
         protocol.unpack_prefix(protocol.RequestFinished(v=1, request_id="r", reason="x", prefix_token_ids=b"1234567"))
     assert protocol.unpack_prefix(protocol.RequestFinished(v=1, request_id="r", reason="x")) is None
     assert Finish().prefix_token_ids is None
+
+
+def test_repair_keeps_references_but_a_rebuilt_line_has_none(tmp_path: Path, rng: np.random.Generator) -> None:
+    """``verify --repair`` keeps the lines it can read as they are, references included; a line it rebuilds
+    from the shards holds only the request's own rows (the shards say nothing of references): incomplete."""
+    a = make_request(40, "float32", rng)
+    b = sharing(a, make_request(44, "float32", rng), 30)
+    c = sharing(a, make_request(50, "float32", rng), 35)
+    writer = _writer(tmp_path)
+    feed = Feed(writer, {"a": a, "b": b, "c": c})
+    send(feed, "a", 0)
+    feed.finish("a", num_tokens=40)
+    for key, hit in (("b", 30), ("c", 35)):
+        send(feed, key, hit)
+        finish_hit(feed, key, hit)
+    writer.close()
+    lines = (tmp_path / INDEX_FILE).read_bytes().splitlines(keepends=True)
+    records = read_index(tmp_path)
+    kept = [line for line, r in zip(lines, records) if not (r["type"] == "request" and r["id"] == "c")]
+    (tmp_path / INDEX_FILE).write_bytes(b"".join(kept))  # c's line lost
+
+    repaired = repair_store(tmp_path)
+    assert repaired.rebuilt == ["c"]
+    store = open_store(tmp_path)
+    assert store.record("b")["status"] == "complete" and store.record("b")["shared"][0]["id"] == "a"
+    _check_rows(tmp_path, {"a": a, "b": b})
+    rebuilt = store.record("c")
+    assert rebuilt["status"] == "incomplete" and "shared" not in rebuilt, rebuilt
+    assert rebuilt["rows"] == 50 - 35 and rebuilt["missing"] == [[0, 35]], rebuilt
+    assert store.get("c", ["layer_2"])["positions"].tolist() == list(range(35, 50))  # its own rows only
