@@ -31,6 +31,7 @@ from benchmarks import report  # noqa: E402
 SUITES: dict[str, str] = {
     "extract": "benchmarks.extract_speed",
     "gpu": "benchmarks.gpu_serving",
+    "radix": "benchmarks.radix",
     "sglang": "benchmarks.sglang_serving",
     "store": "benchmarks.store_rate",
 }
