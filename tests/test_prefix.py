@@ -25,8 +25,8 @@ from hscapture.inspection import inspect_store
 from hscapture.store import prefixes
 from hscapture.store.format import INDEX_FILE, META_FILE, read_index, shard_name
 from hscapture.store.reader import open_store
-from hscapture.store.repair import repair_store
 from hscapture.store.records import Finish
+from hscapture.store.repair import repair_store
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
 from tests.storefeed import Feed, Request, finish_hit, make_layout, make_request, send, shard_bytes, sharing
