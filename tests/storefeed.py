@@ -133,3 +133,9 @@ def finish_hit(feed: Feed, request_id: str, cached: int) -> None:
     """The end of a request whose first ``cached`` positions came from the prefix cache."""
     request = feed.requests[request_id]
     feed.finish(request_id, num_tokens=len(request.token_ids), prefix_token_ids=request.token_ids[:cached])
+
+
+def capture(feed: Feed, request_id: str, cached: int = 0, chunk: int = 9) -> None:
+    """A whole request: its rows from ``cached`` on, then its end (the first ``cached`` from the prefix cache)."""
+    send(feed, request_id, cached, chunk)
+    finish_hit(feed, request_id, cached)

@@ -29,7 +29,7 @@ from hscapture.store.records import Finish
 from hscapture.store.repair import repair_store
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
-from tests.storefeed import Feed, Request, finish_hit, make_layout, make_request, send, shard_bytes, sharing
+from tests.storefeed import Feed, Request, capture, make_layout, make_request, send, shard_bytes, sharing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,14 +63,10 @@ def test_a_cached_prefix_is_taken_from_its_donor_and_chains_resolve(tmp_path: Pa
     requests = {"a": a, "b": b, "c": c, "lone": lone}
     writer = _writer(tmp_path)
     feed = Feed(writer, requests)
-    send(feed, "a", 0)
-    feed.finish("a", num_tokens=40)
-    send(feed, "b", 30)
-    finish_hit(feed, "b", 30)
-    send(feed, "c", 45)
-    finish_hit(feed, "c", 45)
-    send(feed, "lone", 12)
-    finish_hit(feed, "lone", 12)
+    capture(feed, "a")
+    capture(feed, "b", 30)
+    capture(feed, "c", 45)
+    capture(feed, "lone", 12)
     writer.close()
 
     store = open_store(tmp_path)
@@ -98,8 +94,7 @@ def test_a_cached_prefix_is_taken_from_its_donor_and_chains_resolve(tmp_path: Pa
 def test_a_store_without_references_stays_version_2(tmp_path: Path, rng: np.random.Generator) -> None:
     writer = _writer(tmp_path)
     feed = Feed(writer, {"a": make_request(20, "float32", rng)})
-    send(feed, "a", 5)
-    finish_hit(feed, "a", 5)  # no donor: nothing to reference
+    capture(feed, "a", 5)  # no donor: nothing to reference
     writer.close()
     assert json.loads((tmp_path / META_FILE).read_bytes())["version"] == 2
     assert open_store(tmp_path).record("a")["missing"] == [[0, 5]]
@@ -114,10 +109,8 @@ def test_a_donor_diverging_inside_a_block_is_never_taken(tmp_path: Path, rng: np
     writer = _writer(tmp_path)
     feed = Feed(writer, requests)
     for key in ("wanted", "other"):  # "other" is the latest donor of the block chain of [0, 32)
-        send(feed, key, 0)
-        feed.finish(key, num_tokens=48)
-    send(feed, "b", 40)
-    finish_hit(feed, "b", 40)
+        capture(feed, key)
+    capture(feed, "b", 40)
     writer.close()
     assert [e["id"] for e in open_store(tmp_path).record("b")["shared"]] == ["wanted"]
     _check_rows(tmp_path, requests)
@@ -133,12 +126,9 @@ def test_a_hash_collision_never_attaches_another_requests_rows(
     b = sharing(a, make_request(40, "float32", rng), 33)
     writer = _writer(tmp_path)
     feed = Feed(writer, {"a": a, "stranger": stranger, "b": b})
-    send(feed, "a", 0)
-    feed.finish("a", num_tokens=40)
-    send(feed, "stranger", 10)
-    finish_hit(feed, "stranger", 10)
-    send(feed, "b", 33)
-    finish_hit(feed, "b", 33)
+    capture(feed, "a")
+    capture(feed, "stranger", 10)
+    capture(feed, "b", 33)
     writer.close()
     store = open_store(tmp_path)
     assert store.record("stranger")["missing"] == [[0, 10]] and "shared" not in store.record("stranger")
@@ -152,8 +142,7 @@ def test_a_donor_still_being_captured_is_recorded_first(tmp_path: Path, rng: np.
     writer = _writer(tmp_path)
     feed = Feed(writer, {"long": long, "short": short})
     feed.chunk([("long", range(0, 40))])  # the long one's prompt, then a few decode rows later
-    send(feed, "short", 32)
-    finish_hit(feed, "short", 32)  # finishes first, taking rows of a request still open
+    capture(feed, "short", 32)  # finishes first, taking rows of a request still open
     writer.tick()
     for at in range(40, 60):
         feed.chunk([("long", [at])])
@@ -170,13 +159,11 @@ def test_later_runs_find_donors_of_earlier_ones(tmp_path: Path, rng: np.random.G
     b = sharing(a, make_request(44, "bfloat16", rng), 39)
     writer = _writer(tmp_path, "run-1", "bfloat16")
     feed = Feed(writer, {"a": a})
-    send(feed, "a", 0)
-    feed.finish("a", num_tokens=40)
+    capture(feed, "a")
     writer.close()
     writer = _writer(tmp_path, "run-2", "bfloat16")  # a new process: the index is rebuilt from the store
     feed = Feed(writer, {"b": b})
-    send(feed, "b", 39)
-    finish_hit(feed, "b", 39)
+    capture(feed, "b", 39)
     writer.close()
     assert open_store(tmp_path).record("b")["shared"][0]["id"] == "a"
     _check_rows(tmp_path, {"a": a, "b": b})
@@ -191,8 +178,7 @@ def test_readers_follow_references_in_the_dataset_and_exports(tmp_path: Path, rn
     feed = Feed(writer, {"a": a, "b": b})
     send(feed, "a", 0)
     feed.finish("a", num_tokens=40, loss_mask=[(10, 40)])
-    send(feed, "b", 35)
-    finish_hit(feed, "b", 35)
+    capture(feed, "b", 35)
     writer.close()
     dataset = CaptureDataset(tmp_path / "s")
     item = dataset[dataset.keys.index("b")]
@@ -216,12 +202,9 @@ def test_a_damaged_donor_is_reported_for_every_request_reading_it(tmp_path: Path
     c = sharing(b, make_request(50, "float32", rng), 40)
     writer = _writer(tmp_path)
     feed = Feed(writer, {"a": a, "b": b, "c": c})
-    send(feed, "a", 0)
-    feed.finish("a", num_tokens=40)
-    send(feed, "b", 30)
-    finish_hit(feed, "b", 30)
-    send(feed, "c", 40)
-    finish_hit(feed, "c", 40)
+    capture(feed, "a")
+    capture(feed, "b", 30)
+    capture(feed, "c", 40)
     writer.close()
     store = open_store(tmp_path)
     shard_id = store.record("a")["spans"][0][0]
@@ -250,10 +233,8 @@ def test_a_reference_to_a_donor_the_store_lacks_is_reported(tmp_path: Path, rng:
     b = sharing(a, make_request(44, "float32", rng), 30)
     writer = _writer(tmp_path)
     feed = Feed(writer, {"a": a, "b": b})
-    send(feed, "a", 0)
-    feed.finish("a", num_tokens=40)
-    send(feed, "b", 30)
-    finish_hit(feed, "b", 30)
+    capture(feed, "a")
+    capture(feed, "b", 30)
     writer.close()
     lines = (tmp_path / INDEX_FILE).read_bytes().splitlines(keepends=True)
     records = read_index(tmp_path)
@@ -269,7 +250,7 @@ KILLED_WRITER = """
 import sys, time
 import numpy as np
 from tests.storefeed import Feed, make_layout, make_request, shard_bytes
-from tests.storefeed import finish_hit, send, sharing
+from tests.storefeed import capture, send, sharing
 from hscapture.store.writer import StoreWriter
 
 rng = np.random.default_rng(7)
@@ -279,10 +260,8 @@ c = sharing(b, make_request(55, "float32", rng), 45)
 writer = StoreWriter(sys.argv[1], shard_bytes("float32"), writer_threads=1, flush_s=0.0)
 writer.begin_run(*make_layout("run-killed"))
 feed = Feed(writer, {"a": a, "b": b, "c": c})
-send(feed, "a", 0)
-feed.finish("a", num_tokens=40)
-send(feed, "b", 33)
-finish_hit(feed, "b", 33)
+capture(feed, "a")
+capture(feed, "b", 33)
 send(feed, "c", 45, chunk=4)  # c never finishes: the writer is killed first
 while writer.requests_written < 2 or writer.rows_durable < 40 + 17:  # a and b recorded, c's first rows durable
     writer.tick()
@@ -308,8 +287,7 @@ def test_a_killed_writer_and_a_resumed_capture_keep_references_right(tmp_path: P
     c = sharing(b, make_request(55, "float32", rng), 45)
     writer = _writer(tmp_path, "run-resumed")  # recovers the dead run: c recorded incomplete
     feed = Feed(writer, {"c": c})
-    send(feed, "c", 45)  # captured again, hitting the cache as before
-    finish_hit(feed, "c", 45)
+    capture(feed, "c", 45)  # captured again, hitting the cache as before
     writer.close()
     store = open_store(tmp_path)
     assert [store.record(k)["status"] for k in ("a", "b", "c")] == ["complete"] * 3
@@ -347,11 +325,8 @@ def test_repair_keeps_references_but_a_rebuilt_line_has_none(tmp_path: Path, rng
     c = sharing(a, make_request(50, "float32", rng), 35)
     writer = _writer(tmp_path)
     feed = Feed(writer, {"a": a, "b": b, "c": c})
-    send(feed, "a", 0)
-    feed.finish("a", num_tokens=40)
-    for key, hit in (("b", 30), ("c", 35)):
-        send(feed, key, hit)
-        finish_hit(feed, key, hit)
+    for key, hit in (("a", 0), ("b", 30), ("c", 35)):
+        capture(feed, key, hit)
     writer.close()
     lines = (tmp_path / INDEX_FILE).read_bytes().splitlines(keepends=True)
     records = read_index(tmp_path)
