@@ -50,6 +50,23 @@ def _check_rows(root: Path, requests: dict[str, Request]) -> None:
             assert torch.equal(sample[name], request.rows[t]), (request_id, name)
 
 
+def _captured(root: Path, hits: dict[str, tuple[Request, int]]) -> None:
+    """Capture each request in order, its first ``cached`` positions from the prefix cache, into a new store."""
+    writer = _writer(root)
+    feed = Feed(writer, {key: request for key, (request, _) in hits.items()})
+    for key, (_, cached) in hits.items():
+        capture(feed, key, cached)
+    writer.close()
+
+
+def _lose_line(root: Path, request_id: str) -> None:
+    """The store's index without the request's line."""
+    lines = (root / INDEX_FILE).read_bytes().splitlines(keepends=True)
+    records = read_index(root)
+    kept = [line for line, r in zip(lines, records) if not (r["type"] == "request" and r["id"] == request_id)]
+    (root / INDEX_FILE).write_bytes(b"".join(kept))
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(13)
@@ -61,13 +78,7 @@ def test_a_cached_prefix_is_taken_from_its_donor_and_chains_resolve(tmp_path: Pa
     c = sharing(b, make_request(61, "float32", rng), 45)  # hits b's first 45: 30 of them b took from a
     lone = make_request(20, "float32", rng)  # a hit whose donor was never captured
     requests = {"a": a, "b": b, "c": c, "lone": lone}
-    writer = _writer(tmp_path)
-    feed = Feed(writer, requests)
-    capture(feed, "a")
-    capture(feed, "b", 30)
-    capture(feed, "c", 45)
-    capture(feed, "lone", 12)
-    writer.close()
+    _captured(tmp_path, {"a": (a, 0), "b": (b, 30), "c": (c, 45), "lone": (lone, 12)})
 
     store = open_store(tmp_path)
     b_line, c_line, lone_line = store.record("b"), store.record("c"), store.record("lone")
@@ -92,10 +103,7 @@ def test_a_cached_prefix_is_taken_from_its_donor_and_chains_resolve(tmp_path: Pa
 
 
 def test_a_store_without_references_stays_version_2(tmp_path: Path, rng: np.random.Generator) -> None:
-    writer = _writer(tmp_path)
-    feed = Feed(writer, {"a": make_request(20, "float32", rng)})
-    capture(feed, "a", 5)  # no donor: nothing to reference
-    writer.close()
+    _captured(tmp_path, {"a": (make_request(20, "float32", rng), 5)})  # no donor: nothing to reference
     assert json.loads((tmp_path / META_FILE).read_bytes())["version"] == 2
     assert open_store(tmp_path).record("a")["missing"] == [[0, 5]]
 
@@ -106,12 +114,8 @@ def test_a_donor_diverging_inside_a_block_is_never_taken(tmp_path: Path, rng: np
     other = sharing(base, make_request(48, "float32", rng), 37)  # the same first block chain, diverging at 37
     b = sharing(wanted, make_request(60, "float32", rng), 40)
     requests = {"wanted": wanted, "other": other, "b": b}
-    writer = _writer(tmp_path)
-    feed = Feed(writer, requests)
-    for key in ("wanted", "other"):  # "other" is the latest donor of the block chain of [0, 32)
-        capture(feed, key)
-    capture(feed, "b", 40)
-    writer.close()
+    # "other" is the latest donor of the block chain of [0, 32)
+    _captured(tmp_path, {"wanted": (wanted, 0), "other": (other, 0), "b": (b, 40)})
     assert [e["id"] for e in open_store(tmp_path).record("b")["shared"]] == ["wanted"]
     _check_rows(tmp_path, requests)
 
@@ -124,12 +128,7 @@ def test_a_hash_collision_never_attaches_another_requests_rows(
     a = make_request(40, "float32", rng)
     stranger = make_request(30, "float32", rng)  # other tokens, same (colliding) hashes
     b = sharing(a, make_request(40, "float32", rng), 33)
-    writer = _writer(tmp_path)
-    feed = Feed(writer, {"a": a, "stranger": stranger, "b": b})
-    capture(feed, "a")
-    capture(feed, "stranger", 10)
-    capture(feed, "b", 33)
-    writer.close()
+    _captured(tmp_path, {"a": (a, 0), "stranger": (stranger, 10), "b": (b, 33)})
     store = open_store(tmp_path)
     assert store.record("stranger")["missing"] == [[0, 10]] and "shared" not in store.record("stranger")
     assert [e["id"] for e in store.record("b")["shared"]] == ["a"]
@@ -200,12 +199,7 @@ def test_a_damaged_donor_is_reported_for_every_request_reading_it(tmp_path: Path
     a = make_request(40, "float32", rng)
     b = sharing(a, make_request(44, "float32", rng), 30)
     c = sharing(b, make_request(50, "float32", rng), 40)
-    writer = _writer(tmp_path)
-    feed = Feed(writer, {"a": a, "b": b, "c": c})
-    capture(feed, "a")
-    capture(feed, "b", 30)
-    capture(feed, "c", 40)
-    writer.close()
+    _captured(tmp_path, {"a": (a, 0), "b": (b, 30), "c": (c, 40)})
     store = open_store(tmp_path)
     shard_id = store.record("a")["spans"][0][0]
     path = tmp_path / shard_name(shard_id)
@@ -231,15 +225,8 @@ def test_a_damaged_donor_is_reported_for_every_request_reading_it(tmp_path: Path
 def test_a_reference_to_a_donor_the_store_lacks_is_reported(tmp_path: Path, rng: np.random.Generator) -> None:
     a = make_request(40, "float32", rng)
     b = sharing(a, make_request(44, "float32", rng), 30)
-    writer = _writer(tmp_path)
-    feed = Feed(writer, {"a": a, "b": b})
-    capture(feed, "a")
-    capture(feed, "b", 30)
-    writer.close()
-    lines = (tmp_path / INDEX_FILE).read_bytes().splitlines(keepends=True)
-    records = read_index(tmp_path)
-    kept = [line for line, r in zip(lines, records) if not (r["type"] == "request" and r["id"] == "a")]
-    (tmp_path / INDEX_FILE).write_bytes(b"".join(kept))  # a's line lost
+    _captured(tmp_path, {"a": (a, 0), "b": (b, 30)})
+    _lose_line(tmp_path, "a")
     report = verify_store(tmp_path)
     assert not report.ok and [(p.request, "does not hold" in p.problem) for p in report.dangling] == [("b", True)]
     with pytest.raises(StoreError, match=r"request 'b' takes positions 0\.\.29 from request 'a', which the store"):
@@ -323,15 +310,8 @@ def test_repair_keeps_references_but_a_rebuilt_line_has_none(tmp_path: Path, rng
     a = make_request(40, "float32", rng)
     b = sharing(a, make_request(44, "float32", rng), 30)
     c = sharing(a, make_request(50, "float32", rng), 35)
-    writer = _writer(tmp_path)
-    feed = Feed(writer, {"a": a, "b": b, "c": c})
-    for key, hit in (("a", 0), ("b", 30), ("c", 35)):
-        capture(feed, key, hit)
-    writer.close()
-    lines = (tmp_path / INDEX_FILE).read_bytes().splitlines(keepends=True)
-    records = read_index(tmp_path)
-    kept = [line for line, r in zip(lines, records) if not (r["type"] == "request" and r["id"] == "c")]
-    (tmp_path / INDEX_FILE).write_bytes(b"".join(kept))  # c's line lost
+    _captured(tmp_path, {"a": (a, 0), "b": (b, 30), "c": (c, 35)})
+    _lose_line(tmp_path, "c")
 
     repaired = repair_store(tmp_path)
     assert repaired.rebuilt == ["c"]
