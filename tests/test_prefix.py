@@ -120,6 +120,20 @@ def test_a_donor_diverging_inside_a_block_is_never_taken(tmp_path: Path, rng: np
     _check_rows(tmp_path, requests)
 
 
+def test_an_old_donor_is_found_behind_many_later_ones_sharing_its_blocks(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """A system prompt shared by many requests: the one donor of a hit reaching past the prompt into a partial
+    block is found however many requests through the same blocks were recorded after it."""
+    system = make_request(32, "float32", rng)  # two whole blocks every request shares
+    old = sharing(system, make_request(48, "float32", rng), 32)
+    later = {f"later-{i}": (sharing(system, make_request(48, "float32", rng), 32), 0) for i in range(3 * 40)}
+    asker = sharing(old, make_request(52, "float32", rng), 36)  # old's tokens to 36, then its own
+    _captured(tmp_path, {"old": (old, 0), **later, "asker": (asker, 36)})
+    assert [(e["id"], e["end"]) for e in open_store(tmp_path).record("asker")["shared"]] == [("old", 36)]
+    _check_rows(tmp_path, {"old": old, "asker": asker})
+
+
 def test_a_hash_collision_never_attaches_another_requests_rows(
     tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

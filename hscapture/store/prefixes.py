@@ -7,10 +7,13 @@ the same. :class:`PrefixIndex` finds such a donor by token content, and the writ
 reference to the donor's rows in place of ``missing`` (FORMAT.md, ``shared``).
 
 The index holds, per donor, its token ids ``[0, q)`` where ``q`` is how far its rows (its own or
-referenced) cover it from position 0 without a gap; and a map from the hash of each whole block
-of :data:`BLOCK` tokens, chained from position 0, to the latest donors holding that block. A
-lookup hashes the asked prefix's whole blocks, takes the donors of its longest block and compares
-their tokens with the asked ones exactly, so a hash collision can never attach another's rows.
+referenced) cover it from position 0 without a gap; and a tree over blocks of :data:`BLOCK` tokens:
+each node, the hash of a prefix of whole blocks chained from position 0, lists the distinct next
+blocks (or shorter tails) that donors hold after it, sorted, each with the latest donor holding it.
+A lookup of ``[0, p)`` hashes the whole blocks before its last (partial or whole) block, finds the
+next blocks starting with that last block's tokens by bisection, and compares the tokens of their
+donors with the asked ones exactly, so a hash collision can never attach another's rows, and a donor
+is found however many others share its blocks.
 Requests still being captured are donors too (for the positions they hold from 0 so far); the
 writer records a request's line only after its donors' lines. The index is rebuilt from the
 store's index lines and the shards' token ids the first time a lookup needs it, so later runs and
@@ -19,8 +22,8 @@ resumed extractions find donors from earlier ones.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +35,8 @@ from hscapture.errors import StoreError
 from hscapture.store.format import read_meta, shard_name, shared_rows, tokens_crc32
 from hscapture.store.shardfile import ShardFile
 
-#: Tokens per hashed block. A donor is found through the block chain of ``[0, p // BLOCK * BLOCK)``.
+#: Tokens per hashed block. A donor of ``[0, p)`` is found through the block chain of ``[0, (p - 1) // BLOCK * BLOCK)``.
 BLOCK = 16
-#: Latest donors kept per block chain; a donor older than this many sharers of its blocks is not found.
-CANDIDATES = 32
 #: Per request in flight, pieces of token ids kept before they are joined into one array.
 _JOIN_AFTER = 64
 
@@ -65,6 +66,30 @@ class _Flight:
         return self.parts[0] if self.parts else np.empty(0, np.int32)
 
 
+class _Branches:
+    """The distinct next blocks (``BLOCK`` token ids or fewer, as little-endian int32 bytes) donors hold after one
+    node, sorted, each with the latest donor holding it."""
+
+    __slots__ = ("blocks", "donor")
+
+    def __init__(self) -> None:
+        self.blocks: list[bytes] = []
+        self.donor: dict[bytes, str] = {}
+
+    def add(self, block: bytes, key: str) -> None:
+        if block not in self.donor:
+            bisect.insort(self.blocks, block)
+        self.donor[block] = key
+
+    def starting_with(self, tail: bytes) -> list[str]:
+        """Donors of the next blocks that begin with ``tail`` (byte order keeps them together)."""
+        found, at = [], bisect.bisect_left(self.blocks, tail)
+        while at < len(self.blocks) and self.blocks[at].startswith(tail):
+            found.append(self.donor[self.blocks[at]])
+            at += 1
+        return found
+
+
 class PrefixIndex:
     """Donors of prefixes by token content, over every request of a store and those in flight.
 
@@ -78,7 +103,7 @@ class PrefixIndex:
         self._records: list[dict[str, Any]] | None = records
         self._meta: dict[str, Any] | None = None
         self._tokens: dict[str, np.ndarray] = {}  # recorded donors: int32 token ids [0, held)
-        self._nodes: dict[bytes, deque[str]] = {}
+        self._branches: dict[bytes, _Branches] = {}
         self._flight: dict[str, _Flight] = {}
         #: Request ids whose served line is recorded (a line naming a donor waits for the donor's).
         self.recorded: set[str] = set()
@@ -168,8 +193,10 @@ class PrefixIndex:
         if self._records is not None:
             self._build()
         end = len(wanted)
-        node = _chain(wanted[: end // BLOCK * BLOCK])[-1]
-        for key in reversed(self._nodes.get(node, ())):
+        last = (end - 1) // BLOCK * BLOCK
+        branches = self._branches.get(_chain(wanted[:last])[-1])
+        tail = np.ascontiguousarray(wanted[last:end], dtype="<i4").tobytes()
+        for key in branches.starting_with(tail) if branches is not None else ():
             tokens = self._tokens.get(key)
             if key != asker and tokens is not None and len(tokens) >= end and np.array_equal(tokens[:end], wanted):
                 return key
@@ -184,11 +211,12 @@ class PrefixIndex:
         if not len(tokens):
             return
         self._tokens[key] = tokens
-        for node in _chain(tokens):
-            donors = self._nodes.get(node)
-            if donors is None:
-                donors = self._nodes[node] = deque(maxlen=CANDIDATES)
-            donors.append(key)
+        data = np.ascontiguousarray(tokens, dtype="<i4")
+        for at, node in zip(range(0, len(data), BLOCK), _chain(tokens)):
+            branches = self._branches.get(node)
+            if branches is None:
+                branches = self._branches[node] = _Branches()
+            branches.add(data[at : at + BLOCK].tobytes(), key)
 
     def _build(self) -> None:
         """Index every served line of the store at open, its tokens read from the shards' ``token_ids``."""
