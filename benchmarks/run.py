@@ -32,6 +32,7 @@ SUITES: dict[str, str] = {
     "extract": "benchmarks.extract_speed",
     "gpu": "benchmarks.gpu_serving",
     "parallel": "benchmarks.parallel_extract",
+    "radix": "benchmarks.radix",
     "read": "benchmarks.read_verify",
     "sglang": "benchmarks.sglang_serving",
     "store": "benchmarks.store_rate",

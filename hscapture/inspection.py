@@ -50,6 +50,9 @@ def inspect_store(path: str | Path | Sequence[str | Path], max_listed: int = 10)
         "complete": summary["complete"],
         "incomplete": summary["incomplete"],
         "tokens": summary["rows"],
+        "rows_shared": summary["rows_shared"],
+        "requests_sharing": summary["requests_sharing"],
+        "bytes_shared": summary["bytes_shared"],
         "expected_tokens": sum(r["num_tokens"] for r in records),
         "loss_tokens": sum(end - start for r in records for start, end in r["loss_mask"]),
         "shards": summary["shards"],
@@ -119,6 +122,8 @@ def format_inspection(report: dict[str, Any]) -> str:
         f"requests   {report['requests']:,}: {report['complete']:,} complete, {report['incomplete']:,} incomplete",
         f"tokens     {report['tokens']:,} stored of {report['expected_tokens']:,} expected; "
         f"{report['loss_tokens']:,} in loss masks",
+        f"shared     {report['rows_shared']:,} rows served by reference to a donor's rows "
+        f"({report['requests_sharing']:,} requests; ~{report['bytes_shared'] / MiB:,.1f} MiB not stored twice)",
         f"disk       {report['bytes'] / MiB:,.1f} MiB in {report['shards']:,} shards "
         f"({report['bytes_on_disk'] / MiB:,.1f} MiB in the directory)",
         f"drops      {dropped:,} rows dropped by the producer"

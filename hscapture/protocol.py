@@ -132,7 +132,10 @@ class RequestFinished(Message, tag="finished"):
     ``reason`` is ``finished``, ``aborted`` or ``retracted`` (or another engine word).
     ``num_tokens`` is how many rows the request should have (0 when unknown),
     ``dropped_rows`` how many of them the producer dropped, ``loss_mask`` the half-open
-    position ranges ``[start, end)`` that are trained on.
+    position ranges ``[start, end)`` that are trained on. ``prefix_token_ids`` (int64 array, as
+    :func:`pack_rows` packs it) are the token ids of the request's first positions that the engine
+    never forwarded (a prefix-cache hit): the store finds the rows of those tokens in the request
+    that computed them.
     """
 
     request_id: str
@@ -141,6 +144,7 @@ class RequestFinished(Message, tag="finished"):
     dropped_rows: int = 0
     loss_mask: list[tuple[int, int]] = []
     meta: dict[str, Any] = {}
+    prefix_token_ids: bytes = b""
 
 
 class EndOfStream(Message, tag="eos"):
@@ -227,6 +231,14 @@ def unpack_rows(data: bytes, rows: int, field: str) -> np.ndarray:
     if len(data) != rows * ROW_DTYPE.itemsize:
         raise ProtocolError(f"Chunk.{field}: {len(data)} bytes, expected {rows * ROW_DTYPE.itemsize} for {rows} rows")
     return np.frombuffer(data, dtype=ROW_DTYPE)
+
+
+def unpack_prefix(message: RequestFinished) -> np.ndarray | None:
+    """``RequestFinished.prefix_token_ids`` as an int64 array (None when empty), checked."""
+    data = message.prefix_token_ids
+    if len(data) % ROW_DTYPE.itemsize:
+        raise ProtocolError(f"RequestFinished.prefix_token_ids: {len(data)} bytes, not a whole number of int64")
+    return np.frombuffer(data, dtype=ROW_DTYPE) if data else None
 
 
 def check_chunk(chunk: Chunk, layout: Layout, row_bytes: int) -> None:

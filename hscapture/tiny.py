@@ -218,7 +218,7 @@ def _corpus(n_lines: int = 6000) -> Iterator[str]:
             yield _paragraph(rng, 1, 4)
 
 
-def demo_conversations(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
+def demo_conversations(n: int = 200, seed: int = 0, system_prompt: str | None = None) -> list[dict[str, Any]]:
     """Deterministic synthetic chats in OpenAI form, for demos and tests of offline extraction.
 
     Each record is ``{"id": "demo-00000", "messages": [...]}`` with an optional system message and
@@ -227,6 +227,8 @@ def demo_conversations(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
     Args:
         n: Number of conversations.
         seed: Seed of the generator; the same ``(n, seed)`` always gives the same records.
+        system_prompt: If given, every conversation starts with this system message (samples sharing
+            a prefix, as a prefix cache sees them); the turns are the same as without it.
 
     Returns:
         The records, ids ``demo-00000`` upward.
@@ -242,6 +244,8 @@ def demo_conversations(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
         messages: list[dict[str, str]] = []
         if rng.random() < 0.3:
             messages.append({"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)})
+        if system_prompt is not None:
+            messages = [{"role": "system", "content": system_prompt}]
         for _ in range(rng.choice((1, 1, 2, 3))):
             messages.append({"role": "user", "content": _question(rng)})
             long_answer = rng.random() < 0.25
@@ -250,12 +254,29 @@ def demo_conversations(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
     return records
 
 
-def write_demo_jsonl(path: Path | str, n: int = 200) -> Path:
+def long_system_prompt(tokenizer: Any, min_tokens: int, seed: int = 0) -> str:
+    """A deterministic system prompt of demo sentences, at least ``min_tokens`` tokens long under ``tokenizer``
+    (the text alone, without a chat template's markers).
+
+    Args:
+        tokenizer: An HF tokenizer (e.g. the tiny model's).
+        min_tokens: The fewest tokens the text tokenizes to.
+        seed: Seed of the sentence generator.
+    """
+    rng = random.Random(seed)
+    sentences = [_sentence(rng, 8, 16)]
+    while len(tokenizer(" ".join(sentences), add_special_tokens=False).input_ids) < min_tokens:
+        sentences.append(_sentence(rng, 8, 16))
+    return " ".join(sentences)
+
+
+def write_demo_jsonl(path: Path | str, n: int = 200, system_prompt: str | None = None) -> Path:
     """Write ``demo_conversations(n)`` as JSONL (one record per line), for the CLI demo and tests.
 
     Args:
         path: File to write; its parent folders are created. An existing file is replaced.
         n: Number of conversations.
+        system_prompt: If given, the system message every conversation starts with.
 
     Returns:
         The path written.
@@ -263,7 +284,7 @@ def write_demo_jsonl(path: Path | str, n: int = 200) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
-        for record in demo_conversations(n):
+        for record in demo_conversations(n, system_prompt=system_prompt):
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return path
 

@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--capture", help="switch capture on, publishing to this endpoint")
     parser.add_argument("--aux", action="store_true", help="SGLang's aux-state flags (implied by --capture)")
+    parser.add_argument("--then", help="JSON list of token-id lists generated once the first ones finished")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--chunked-prefill-size", type=int, default=32)
     parser.add_argument("--absorbed-mla", action="store_true", help="DeepSeek: prefill by absorbed MLA too")
@@ -62,21 +63,26 @@ def main() -> None:
         log_level="error",
         mem_fraction_static=0.3,
         chunked_prefill_size=args.chunked_prefill_size,
-        disable_radix_cache=True,
         **CPU_ENGINE_KWARGS,
         **({"forward_hooks": [ABSORBED_MLA_HOOK]} if args.absorbed_mla else {}),
-        **json.loads(args.engine_json),
+        **{"disable_radix_cache": True, **json.loads(args.engine_json)},
         # Without the aux flags SGLang returns the post-norm last layer, once asked to return states at all.
         **(engine_kwargs(layer_ids) if args.capture or args.aux else {"enable_return_hidden_states": True}),
     )
-    with open(args.prompts) as f:
-        prompts = json.load(f)
+    rounds = []
+    for path in (args.prompts, args.then):
+        if path:
+            with open(path) as f:
+                rounds.append(json.load(f))
+    prompts = [p for batch in rounds for p in batch]
     try:
-        outputs = engine.generate(
-            input_ids=prompts,
-            sampling_params={"max_new_tokens": args.max_new_tokens, "temperature": 0.0},
-            return_hidden_states=True,
-        )
+        outputs = []
+        for batch in rounds:  # one after the other: a later round finds the earlier one in the radix cache
+            outputs += engine.generate(
+                input_ids=batch,
+                sampling_params={"max_new_tokens": args.max_new_tokens, "temperature": 0.0},
+                return_hidden_states=True,
+            )
         if args.capture:
             engine.collective_rpc(CLOSE_RPC)
     finally:
@@ -86,8 +92,7 @@ def main() -> None:
             "rid": o["meta_info"]["id"],
             "prompt": p,
             "output_ids": o["output_ids"],
-            # SGLang returns one list of rows for the prefill, then one row per decode step.
-            "hidden_states": [row for part in o["meta_info"]["hidden_states"] for row in _rows(part)],
+            "hidden_states": returned_rows(o["meta_info"]),
         }
         for p, o in zip(prompts, outputs)
     ]
@@ -125,8 +130,14 @@ def absorbed_mla_hook(config: dict) -> Callable[..., None]:
     return lambda module, inputs, output: None
 
 
-def _rows(part: list) -> list:
-    return part if part and isinstance(part[0], list) else [part]
+def returned_rows(meta_info: dict) -> list[list[float]]:
+    """The rows of states SGLang returned for a request (``return_hidden_states``), in position order.
+
+    SGLang returns one list of rows per prefill forward, then one row per decode step.
+    """
+    return [
+        row for part in meta_info["hidden_states"] for row in (part if part and isinstance(part[0], list) else [part])
+    ]
 
 
 if __name__ == "__main__":

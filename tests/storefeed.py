@@ -155,3 +155,28 @@ def special_rows(dtype: torch.dtype, tensors: int = 3, n: int = 40, hidden: int 
     x[2, 6] = 1e-44  # below 448 float32 subnormal steps: stored as zeros
     x[2, 7] = torch.finfo(dtype).max  # the largest finite value
     return x.to(dtype)
+
+
+def sharing(donor: Request, own: Request, shared: int) -> Request:
+    """A request whose first ``shared`` tokens and rows are the donor's (what the engine would compute)."""
+    rows = torch.cat([donor.rows[:, :shared], own.rows[:, shared:]], dim=1)
+    return Request(rows, np.concatenate([donor.token_ids[:shared], own.token_ids[shared:]]))
+
+
+def send(feed: Feed, request_id: str, start: int, chunk: int = 9) -> None:
+    """The request's rows from ``start`` on (the engine forwarded only those), in chunks like a chunked prefill."""
+    n = len(feed.requests[request_id].token_ids)
+    for at in range(start, n, chunk):
+        feed.chunk([(request_id, range(at, min(at + chunk, n)))])
+
+
+def finish_hit(feed: Feed, request_id: str, cached: int) -> None:
+    """The end of a request whose first ``cached`` positions came from the prefix cache."""
+    request = feed.requests[request_id]
+    feed.finish(request_id, num_tokens=len(request.token_ids), prefix_token_ids=request.token_ids[:cached])
+
+
+def capture(feed: Feed, request_id: str, cached: int = 0, chunk: int = 9) -> None:
+    """A whole request: its rows from ``cached`` on, then its end (the first ``cached`` from the prefix cache)."""
+    send(feed, request_id, cached, chunk)
+    finish_hit(feed, request_id, cached)

@@ -41,21 +41,23 @@ def serve(producer: Producer, workload: Workload, seconds: float, stalls: list[f
 
 
 @pytest.mark.parametrize(
-    "device",
+    ("device", "share"),
     [
-        "cpu",
+        ("cpu", 0.0),
+        pytest.param("cpu", 0.5, id="cpu-prefix-cache"),  # half the requests take a finished one's prefix
         pytest.param(
             "cuda",
+            0.0,
             marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")],
         ),
     ],
 )
 def test_consumer_killed_twenty_times_never_stalls_serving_and_the_store_never_lies(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str, share: float
 ) -> None:
     rng = random.Random(11)
     producer = make_producer(make_config(endpoint, policy="drop", slots=8, rows_per_slot=32, device=device))
-    workload = Workload(seed=11, device=device)
+    workload = Workload(seed=11, device=device, share=share)
     stalls: list[float] = []
     for trial in range(20):
         consumer = start_consumer(tmp_path, endpoint, "--flush-s", "0.1", "--shard-bytes", "16000")
@@ -82,8 +84,12 @@ def test_consumer_killed_twenty_times_never_stalls_serving_and_the_store_never_l
     for rid, record in records.items():
         if record["status"] != "complete":
             assert record["reason"], f"{rid} is incomplete without a reason"
-        else:
-            assert record["rows"] == len(workload.requests[rid].rows)
+        else:  # its own rows, and the cached prefix by reference to a donor's
+            held = record["rows"] + sum(ref["end"] - ref["start"] for ref in record.get("shared", ()))
+            assert held == len(workload.requests[rid].rows), rid
+    if share:
+        shared = [r for r in records.values() if r["status"] == "complete" and r.get("shared")]
+        assert shared, "no complete request took its prefix by reference"
     recovered = [r for r in records.values() if "consumer died" in r["reason"]]
     assert recovered, "no request of a killed consumer's durable shards was recovered"
     report = verify_store(tmp_path)
@@ -95,7 +101,7 @@ def test_consumer_killed_twenty_times_never_stalls_serving_and_the_store_never_l
     longest = max(stalls)
     p99 = sorted(stalls)[int(len(stalls) * 0.99)]
     print(
-        f"\nRELIABILITY consumer SIGKILL ({device}): 20 trials, {len(stalls)} steps, "
+        f"\nRELIABILITY consumer SIGKILL ({device}, prefix-cache share {share}): 20 trials, {len(stalls)} steps, "
         f"rows produced {workload.total_rows}, "
         f"announced {counters.rows_captured}, dropped {counters.rows_dropped} (counted), stored {stored}, "
         f"lost in killed consumers' memory {counters.rows_captured - stored}, step p99 {p99 * 1000:.2f} ms, "

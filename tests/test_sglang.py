@@ -32,6 +32,7 @@ from hscapture.integrations.sglang_models import GEMMA3_MLP_BRANCH, LaunchPlan, 
 from hscapture.store.reader import Store, open_store
 from hscapture.store.verify import verify_store
 from tests.conftest import short_endpoint
+from tests.sglang_driver import returned_rows
 
 pytest.importorskip("sglang", reason="SGLang is not installed (pip install -e '.[sglang]')")
 pytestmark = pytest.mark.slow
@@ -136,6 +137,89 @@ def test_store_equals_what_sglang_returns_and_capture_changes_nothing(
         assert torch.equal(rows["last"].float()[total - len(last) :], last)
         if len(mine["prompt"]) <= 32:  # prompts not chunked come back whole
             assert len(returned) == total
+
+
+#: Radix cache on: a long system prompt (chunked: > 32 tokens), then requests hitting it, whole or in part.
+SYSTEM = list(range(200, 270))
+FIRST_ROUND = [[*SYSTEM, 5, 6, 7], SYSTEM[:40] + list(range(300, 340))]
+SECOND_ROUND = [
+    [*SYSTEM, 5, 6, 7],  # identical to a first-round prompt
+    [*SYSTEM, 5, 6, 7],  # twice, in one batch
+    [*SYSTEM, 9, 10, 11, 12],  # the system prompt, then its own question
+    SYSTEM[:53] + list(range(400, 430)),  # diverging mid-prompt (not at a block edge)
+    SYSTEM[:40] + list(range(300, 330)) + [1, 2],  # the second donor's prompt, diverging later
+]
+
+
+def test_radix_cache_on_every_request_is_complete_and_shared_rows_are_the_donors(
+    tiny: Callable[[str], Path], tmp_path: Path, endpoint: str
+) -> None:
+    model = tiny("llama")
+    then = tmp_path / "then.json"
+    then.write_text(json.dumps(SECOND_ROUND))
+    store_dir = tmp_path / "store"
+    consumer = subprocess.Popen(consume_command(endpoint, store_dir, "--exit-on-eos", "--quiet"))
+    (tmp_path / "first.json").write_text(json.dumps(FIRST_ROUND))
+    command = [
+        sys.executable,
+        "-m",
+        "tests.sglang_driver",
+        "--model",
+        str(model),
+        "--prompts",
+        str(tmp_path / "first.json"),
+    ]
+    command += ["--then", str(then), "--out", str(tmp_path / "out.json"), "--capture", endpoint]
+    command += ["--engine-json", json.dumps({"disable_radix_cache": False})]
+    subprocess.run(command, check=True, env=_env(), timeout=600)
+    assert consumer.wait(60) == 0
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert verify_store(store_dir).ok
+    store = open_store(store_dir)
+    config = store.metadata()["runs"][0]["meta"]["config"]
+    aux_names = [f"layer_{k}" for k in config["layers"]]
+    sharing = 0
+    for result in results:
+        record = _check_complete(store, result["rid"], (result["prompt"] + result["output_ids"])[:-1])
+        sharing += len(record.get("shared", ()))
+        _check_own_rows(store, result, record, aux_names)
+    # The second round hit the cache: SGLang computes at least the last prompt token, so an identical prompt
+    # takes all the others from its donor; whatever SGLang's own usage figures say.
+    assert sharing >= 3
+    identical = [store.record(r["rid"]) for r in results[len(FIRST_ROUND) :][:2]]
+    assert all(r["shared"][0]["end"] >= len(SYSTEM) for r in identical), identical
+    assert store.summary()["rows_shared"] >= 2 * len(SYSTEM)
+
+
+def _check_complete(store: Store, rid: str, tokens: list[int]) -> dict[str, Any]:
+    """A finished request is complete: its rows are its ``tokens`` (prompt and output but the last) at every
+    position, those it shares (a radix-cache hit) bitwise the rows of a donor holding the same tokens there.
+    Returns its index line."""
+    record, rows = store.record(rid), store.get(rid)
+    total = len(tokens)
+    assert record["status"] == "complete", record  # every donor was captured: nothing is missing
+    assert rows["input_ids"].tolist() == tokens
+    assert rows["positions"].tolist() == list(range(total))
+    shared = record.get("shared", ())
+    assert record["rows"] == total - sum(e["end"] - e["start"] for e in shared), record
+    for entry in shared:
+        start, end = entry["start"], entry["end"]
+        donor = store.get(entry["id"])
+        assert donor["input_ids"][start:end].tolist() == tokens[start:end], (rid, entry)
+        for name in store.tensor_names:
+            assert torch.equal(rows[name][start:end], donor[name][start:end]), (rid, entry, name)
+    return record
+
+
+def _check_own_rows(store: Store, result: dict[str, Any], record: dict[str, Any], aux_names: list[str]) -> None:
+    """The rows a request computed itself are what SGLang returns for it (the tail of them it returns: it skips a
+    long prompt's middle prefill chunks)."""
+    rows = store.get(result["rid"])
+    total = len(result["prompt"]) + len(result["output_ids"]) - 1
+    returned = torch.tensor(result["hidden_states"], dtype=torch.float32)
+    assert 0 < len(returned) <= record["rows"], (result["rid"], len(returned), record)
+    aux = torch.cat([rows[n].float() for n in aux_names], dim=1)[total - len(returned) :]
+    assert torch.equal(aux, returned), f"{result['rid']}: aux rows differ from SGLang's"
 
 
 #: More architectures, one engine run each: the hscapture layers asked for (exercising each setter's numbering)
@@ -332,41 +416,68 @@ def server(model: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen,
             process.wait()
 
 
+#: Live server, radix cache on: /generate prompts sharing a long system prompt (chunked), some identical, some
+#: diverging mid-prompt (not at a block edge); SGLang returns their states, the oracle for the rows each computed.
+LIVE_SYSTEM = list(range(200, 330))
+LIVE_PROMPTS = [
+    [*LIVE_SYSTEM, 5, 6, 7],
+    [*LIVE_SYSTEM, 5, 6, 7],
+    [*LIVE_SYSTEM, 9, 10, 11, 12],
+    LIVE_SYSTEM[:53] + list(range(400, 430)),
+    LIVE_SYSTEM[:90] + list(range(500, 520)),
+    LIVE_SYSTEM[:53] + list(range(400, 420)) + [7, 8],
+]
+
+
 def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
     server: tuple[str, subprocess.Popen, Path],
 ) -> None:
+    """Concurrent requests over HTTP, radix cache and chunked prefill on, no cache_salt: chat conversations under
+    two long system prompts (one diverging from the other mid-prompt), /generate prompts sharing one, and hung-up
+    streams. Every finished request is complete, what it shares bitwise its donor's rows."""
     base, process, store_dir = server
     words = "the quick brown fox jumps over the lazy dog while seven cats watch from a sunny wall "
+    system = (words * 5).strip()
+    systems = [system, system[: len(system) // 2] + " seven green rivers run north past the old city"]
     bodies = [
         {
             "model": "default",
-            "messages": [{"role": "user", "content": (words * (1 + i % 4))[: 40 + 50 * (i % 4)]}],
+            "messages": [
+                {"role": "system", "content": systems[i % 3 // 2]},  # two under the first for one under the second
+                {"role": "user", "content": (words * (1 + i % 4))[: 40 + 50 * (i % 4)]},
+            ],
             "max_tokens": 6 + i % 5,
             "temperature": 0,
             "rid": f"live-{i}",
             "return_prompt_token_ids": True,
             "return_token_ids": True,
-            # Its own radix-cache namespace: no request can reuse another's prefix (which of two equal prompts
-            # is cached first is up to the scheduler), so every one of them is forwarded whole.
-            "cache_salt": f"live-{i}",
         }
         for i in range(12)
+    ]
+    generate = [
+        {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 6 + i % 3, "temperature": 0},
+            "return_hidden_states": True,
+            "rid": f"gen-{i}",
+        }
+        for i, prompt in enumerate(LIVE_PROMPTS)
     ]
     results: dict[str, dict] = {}
     errors: list[BaseException] = []
 
-    def ask(body: dict) -> None:
+    def ask(path: str, body: dict) -> None:
         try:
-            results[body["rid"]] = _post(f"{base}/v1/chat/completions", body)
+            results[body["rid"]] = _post(f"{base}{path}", body)
         except BaseException as exc:
             errors.append(exc)
 
     aborted = [
         {"model": "default", "messages": bodies[i]["messages"], "max_tokens": 1000, "stream": True, "rid": f"abort-{i}"}
-        | {"cache_salt": f"abort-{i}"}
         for i in range(2)
     ]
-    threads = [threading.Thread(target=ask, args=(b,)) for b in bodies]
+    threads = [threading.Thread(target=ask, args=("/v1/chat/completions", b)) for b in bodies]
+    threads += [threading.Thread(target=ask, args=("/generate", b)) for b in generate]
     url = f"{base}/v1/chat/completions"
     threads += [threading.Thread(target=_abort_after_first_chunks, args=(url, b)) for b in aborted]
     for t in threads:
@@ -374,29 +485,38 @@ def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
     for t in threads:
         t.join(600)
     assert not errors, errors
-    # A radix-cache hit forced: live-1's conversation again in live-1's namespace. SGLang reuses every prompt token
-    # but the last (it computes at least one), so exactly positions [0, prompt - 1) are never forwarded.
-    again = {**bodies[1], "rid": "live-again", "max_tokens": 3}
-    results["live-again"] = _post(f"{base}/v1/chat/completions", again)
+    # Radix-cache hits forced, one at a time: live-1's conversation again, a /generate prompt again, and the shared
+    # system prompt diverging at a new place. SGLang reuses every cached prompt token but the last of a whole hit
+    # (it computes at least one), so exactly positions [0, prompt - 1) of a repeat are never forwarded.
+    results["live-again"] = _post(url, {**bodies[1], "rid": "live-again", "max_tokens": 3})
+    again = [
+        {**generate[0], "rid": "gen-again"},
+        {**generate[0], "input_ids": [*LIVE_SYSTEM[:77], 9, 8, 7], "rid": "gen-77"},
+    ]
+    for body in again:
+        results[body["rid"]] = _post(f"{base}/generate", body)
     time.sleep(2)  # the server notices the hang-ups and aborts those requests
     process.send_signal(signal.SIGINT)
     assert process.wait(180) == 0
     report = verify_store(store_dir)
     assert report.ok
     store = open_store(store_dir)
+    aux_names = [f"layer_{k}" for k in store.metadata()["runs"][0]["meta"]["config"]["layers"]]
     for rid, reply in results.items():
-        choice = reply["choices"][0]
-        prompt, output = choice["prompt_token_ids"], choice["response_token_ids"]
-        record = store.record(rid)
-        cached = len(prompt) - 1 if rid == "live-again" else 0
-        total = len(prompt) + len(output) - 1
-        if cached:  # the radix-cache hit: the store says exactly which positions it lacks
-            assert record["status"] == "incomplete" and record["missing"] == [[0, cached]], record
+        if rid.startswith("gen"):
+            prompt = next(b["input_ids"] for b in [*generate, *again] if b["rid"] == rid)
+            result = {"rid": rid, "prompt": prompt, "output_ids": reply["output_ids"]}
+            result["hidden_states"] = returned_rows(reply["meta_info"])
+            record = _check_complete(store, rid, (prompt + reply["output_ids"])[:-1])
+            _check_own_rows(store, result, record, aux_names)
         else:
-            assert record["status"] == "complete", record
-        rows = store.get(rid)
-        assert rows["input_ids"].tolist() == (prompt + output)[cached:total]
-        assert rows["positions"].tolist() == list(range(cached, total))
+            choice = reply["choices"][0]
+            prompt = choice["prompt_token_ids"]
+            record = _check_complete(store, rid, (prompt + choice["response_token_ids"])[:-1])
+        if rid in ("live-again", "gen-again"):  # any request with the same prompt tokens may donate
+            assert [(e["start"], e["end"]) for e in record["shared"]] == [(0, len(prompt) - 1)], record
+        if rid == "gen-77":  # the system prompt's first 77 tokens were cached
+            assert record["shared"][0]["end"] >= 77, record
     for body in aborted:
         record = store.record(body["rid"])
         assert record["status"] == "incomplete" and "aborted" in record["reason"], record
@@ -422,6 +542,34 @@ def test_extract_with_sglang_gives_a_store_that_passes_the_hf_engine_checks(mode
         assert rows["loss_mask"].tolist() == sample.loss_mask
         assert rows["positions"].tolist() == list(range(len(sample.input_ids)))
         assert all(rows[f"layer_{k}"].shape == (len(sample.input_ids), rows["last"].shape[1]) for k in (2, 4, 5))
+
+
+def test_extract_with_the_radix_cache_on_completes_samples_sharing_a_long_system_prompt(
+    tiny: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Teacher mode over conversations under one 512-token system prompt, radix cache on (the default): batches
+    after the first find it cached and forward only the rest; every sample is complete all the same."""
+    from transformers import AutoTokenizer
+
+    from hscapture.data import load_samples
+    from hscapture.tiny import long_system_prompt, write_demo_jsonl
+
+    model, out = tiny("llama"), tmp_path / "store"
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    data = write_demo_jsonl(tmp_path / "data.jsonl", 12, system_prompt=long_system_prompt(tokenizer, 512))
+    samples = list(load_samples(data, tokenizer, None))
+    command = [sys.executable, "-m", "hscapture", "extract", "--engine", "sglang", "--model", str(model)]
+    command += ["--data", str(data), "--out", str(out), "--max-batch-size", "4", "--no-progress"]
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert verify_store(out).ok
+    store = open_store(out)
+    assert sorted(store.keys(complete_only=True)) == sorted(s.key for s in samples)
+    for sample in samples:
+        _check_complete(store, sample.key, sample.input_ids)
+        assert store.get(sample.key)["loss_mask"].tolist() == sample.loss_mask
+    # The second and third batch of four found the system prompt (>= 512 tokens) in the cache.
+    assert store.summary()["rows_shared"] >= 8 * 512
 
 
 def test_extract_passes_sglang_arguments_through_kimi_k25_text_only(

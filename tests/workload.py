@@ -50,17 +50,30 @@ class _Request:
     target: int
     rows: list[torch.Tensor] = field(default_factory=list)  # per position: [NUM_TENSORS, HIDDEN]
     tokens: list[int] = field(default_factory=list)
+    #: Leading positions taken from a finished request (a prefix-cache hit): never forwarded, never sent.
+    cached: int = 0
 
 
 class Workload:
-    """Steps of up to ``max_rows`` kept rows; ``reference(rid)`` returns what the store must hold."""
+    """Steps of up to ``max_rows`` kept rows; ``reference(rid)`` returns what the store must hold.
 
-    def __init__(self, seed: int, prefix: str = "r", max_rows: int = 32, device: str = "cpu") -> None:
+    With ``share`` > 0 that share of new requests hits a prefix cache: it starts with the first
+    positions (rows and tokens) of a finished request, sends only the rest, and names the cached
+    tokens at its finish (``prefix_token_ids``), as the SGLang plugin does with the radix cache on.
+    The store may take a prefix from any request holding the same tokens, as an engine's states
+    are a function of the tokens: so then each forwarded token is a new id.
+    """
+
+    def __init__(
+        self, seed: int, prefix: str = "r", max_rows: int = 32, device: str = "cpu", share: float = 0.0
+    ) -> None:
         self.device = torch.device(device)
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.prefix = prefix
         self.max_rows = max_rows
+        self.share = share
+        self._fresh = 1
         self.requests: dict[str, _Request] = {}
         self.running: list[str] = []
         self.finished: list[str] = []
@@ -80,7 +93,12 @@ class Workload:
                 break
             rid = f"{self.prefix}{self._next:05d}"
             self._next += 1
-            self.requests[rid] = _Request(target=n + self.rng.randint(0, 6))
+            request = self.requests[rid] = _Request(target=n + self.rng.randint(0, 6))
+            if self.finished and self.rng.random() < self.share:
+                donor = self.requests[self.rng.choice(self.finished)]
+                request.cached = self.rng.randint(1, len(donor.rows))
+                request.rows, request.tokens = donor.rows[: request.cached], donor.tokens[: request.cached]
+                request.target += request.cached
             self.running.append(rid)
             ids.insert(0, rid)
             counts.insert(0, 0)
@@ -103,7 +121,12 @@ class Workload:
             if len(request.rows) >= request.target:
                 self.running.remove(rid)
                 self.finished.append(rid)
-                producer.finish_request(rid, num_tokens=len(request.rows), loss_mask=[(1, len(request.rows))])
+                producer.finish_request(
+                    rid,
+                    num_tokens=len(request.rows),
+                    loss_mask=[(1, len(request.rows))],
+                    prefix_token_ids=request.tokens[: request.cached],
+                )
         return announced
 
     def _add(
@@ -120,7 +143,11 @@ class Workload:
         request = self.requests[rid]
         start = len(request.rows)
         block = torch.randn(NUM_TENSORS, n, HIDDEN, generator=self.gen) + 1.0
-        toks = [self.rng.randrange(1, 50_000) for _ in range(n)]
+        if self.share:  # every forwarded token new: equal token prefixes are copied ones, so their rows are equal
+            toks = list(range(self._fresh, self._fresh + n))
+            self._fresh += n
+        else:
+            toks = [self.rng.randrange(1, 50_000) for _ in range(n)]
         request.rows.extend(block[:, i] for i in range(n))
         request.tokens.extend(toks)
         if front:

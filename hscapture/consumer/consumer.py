@@ -383,7 +383,10 @@ class Consumer:
         self.stats.rows_dropped = self._drops.request(message.dropped_rows)
         if self.store is None:
             return
-        finish = Finish(message.reason, message.num_tokens, message.dropped_rows, message.loss_mask, message.meta)
+        prefix = protocol.unpack_prefix(message)
+        finish = Finish(
+            message.reason, message.num_tokens, message.dropped_rows, message.loss_mask, message.meta, prefix
+        )
         self._pending.append(_End(message.request_id, finish))
         self._settle()
 

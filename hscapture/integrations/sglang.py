@@ -287,6 +287,8 @@ class SGLangCapture:
         self.sent_upto: dict[str, int] = {}
         self._plan: _DecodePlan | None = None
         self._decoded: np.ndarray | None = None
+        #: Prefix length at first schedule of each running request that hit the radix cache (never forwarded).
+        self.cached_prefix: dict[str, int] = {}
         #: Forwards written to the ring, oldest first, not announced yet.
         self.pending: deque[_Pending] = deque()
         #: The producer served its control socket (releases, attaches) since the last batch result.
@@ -406,6 +408,9 @@ class SGLangCapture:
         positions = np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
         all_rids = [req.rid for req in reqs]
         upto = np.fromiter((sent.get(rid, 0) for rid in all_rids), np.int64, len(all_rids))
+        for i in np.flatnonzero(starts).tolist():  # first scheduled past position 0: a radix-cache hit
+            if all_rids[i] not in sent:
+                self.cached_prefix[all_rids[i]] = int(starts[i])
         sent.update(zip(all_rids, np.maximum(ends, upto).tolist()))
         firsts = np.maximum(starts, upto)
         counts = np.maximum(ends - firsts, 0)
@@ -451,7 +456,10 @@ class SGLangCapture:
             "finish_reason": finish,
             "retractions": req.retraction_count,
         }
-        self.producer.finish_request(req.rid, reason, num_tokens=num_tokens, loss_mask=loss_mask, meta=meta)
+        prefix = req.origin_input_ids[: self.cached_prefix.pop(req.rid, 0)]
+        self.producer.finish_request(
+            req.rid, reason, num_tokens=num_tokens, loss_mask=loss_mask, meta=meta, prefix_token_ids=prefix
+        )
         self.sent_upto.pop(req.rid, None)
 
     def _start(self, worker: Any) -> None:

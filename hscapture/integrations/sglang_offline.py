@@ -132,7 +132,6 @@ class SGLangExtraction:
         from sglang.srt.server_args import prepare_server_args
 
         argv = ["--model-path", str(self.model_path), "--log-level", "error", "--dtype", self.dtype or "auto"]
-        argv += ["--disable-radix-cache"]  # a prefix-cache hit would leave its positions uncaptured
         argv += CPU_SERVER_ARGS if self.device == "cpu" else ["--device", self.device]
         return prepare_server_args([*argv, *self.sglang_args, *server_args(self.capture_plan.sglang_ids)])
 

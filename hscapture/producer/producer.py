@@ -440,6 +440,7 @@ class Producer:
         num_tokens: int = 0,
         loss_mask: Sequence[tuple[int, int]] = (),
         meta: dict[str, Any] | None = None,
+        prefix_token_ids: Sequence[int] | np.ndarray = (),
     ) -> None:
         """Say that no more rows come for ``request_id``, and why.
 
@@ -449,6 +450,8 @@ class Producer:
             num_tokens: rows the request should have in total (0 if unknown).
             loss_mask: half-open position ranges ``[start, end)`` trained on.
             meta: msgpack-safe facts stored with the request.
+            prefix_token_ids: host token ids of the request's first positions that the engine never
+                forwarded (a prefix-cache hit); the store takes their rows from the request that computed them.
         """
         self._check_open()
         self._drain_control()
@@ -460,6 +463,7 @@ class Producer:
             dropped_rows=self._request_drops.pop(request_id, 0),
             loss_mask=[(int(a), int(b)) for a, b in loss_mask],
             meta=meta or {},
+            prefix_token_ids=protocol.pack_rows(np.asarray(prefix_token_ids)) if len(prefix_token_ids) else b"",
         )
         if not self._send(protocol.encode(message)):
             self.counters.events_dropped += 1

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hscapture.config import DTYPES, STORE_DTYPES
 from hscapture.errors import StoreError
 
@@ -26,7 +28,10 @@ log = logging.getLogger(__name__)
 STORE_FORMAT = "hscapture-store"
 #: The version this hscapture writes; it reads every version in READ_VERSIONS.
 STORE_VERSION = 2
-READ_VERSIONS = (1, 2)
+#: The version of a store whose request lines may take rows by reference (``shared``); a writer raises a
+#: store to it before the first such line, so a store without references stays readable by older readers.
+SHARED_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 SHARD_FORMAT = "hscapture-shard"
 INDEX_FILE = "index.jsonl"
 META_FILE = "meta.json"
@@ -278,7 +283,33 @@ def record_problem(record: dict[str, Any]) -> str:
         return _shard_line_problem(record)
     if kind == "request" and any(count <= 0 or start < 0 or shard < 0 for shard, start, count in record["spans"]):
         return f"request line with an empty or negative span in {record['spans'][:4]}"
+    if kind == "request" and "shared" in record and not _shared_valid(record["shared"]):
+        return f"request line with a bad 'shared' ({str(record['shared'])[:60]!r})"
     return ""
+
+
+def tokens_crc32(tokens: Any) -> str:
+    """CRC-32 of token ids as little-endian int64 (the ``tokens_crc32`` of a ``shared`` entry)."""
+    data = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+    return f"{zlib.crc32(data):08x}"
+
+
+def shared_rows(record: dict[str, Any]) -> int:
+    """Rows a request line takes by reference from donors."""
+    return sum(entry["end"] - entry["start"] for entry in record.get("shared", ()))
+
+
+def _shared_valid(value: Any) -> bool:
+    """A list of ``{"id": str, "start": int, "end": int, "tokens_crc32": 8 hex digits}``, ranges non-empty."""
+    return isinstance(value, list) and all(
+        isinstance(e, dict)
+        and isinstance(e.get("id"), str)
+        and _is_int(e.get("start"))
+        and _is_int(e.get("end"))
+        and 0 <= e["start"] < e["end"]
+        and _is_crc(e.get("tokens_crc32"))
+        for e in value
+    )
 
 
 def _shard_line_problem(record: dict[str, Any]) -> str:

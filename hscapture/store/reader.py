@@ -27,7 +27,16 @@ from hscapture.config import DTYPES
 from hscapture.errors import StoreError
 from hscapture.fp8 import FP8, FP8_NAME, dequantize_rows, scale_name
 from hscapture.store.checksum import row_crcs
-from hscapture.store.format import META_FILE, ROW_CRC, read_index, read_meta, shard_name
+from hscapture.store.format import (
+    INDEX_FILE,
+    META_FILE,
+    ROW_CRC,
+    read_index,
+    read_meta,
+    shard_name,
+    shared_rows,
+    tokens_crc32,
+)
 from hscapture.store.shardfile import ShardFile
 
 log = logging.getLogger(__name__)
@@ -141,17 +150,26 @@ class Store:
         return {**self._meta, "runs": runs}
 
     def summary(self) -> dict[str, Any]:
-        """Counts for humans and scripts: requests, rows, shards, bytes, drops."""
+        """Counts for humans and scripts: requests, rows (stored, and served by reference), shards, bytes, drops.
+
+        ``bytes_shared`` estimates what the rows served by reference would have taken on disk, at the store's
+        bytes per stored row."""
         records = self._requests.values()
         ends = {run["run_id"]: run["end"] for run in self._runs if run["end"] is not None}  # the last per run
         dropped = sum(int(end.get("counters", {}).get("rows_dropped", 0)) for end in ends.values())
+        nbytes = sum(s["bytes"] for s in self._shards.values())
+        stored = sum(s["rows"] for s in self._shards.values())
+        shared = sum(shared_rows(r) for r in records)
         return {
             "requests": len(self._requests),
             "complete": sum(r["status"] == "complete" for r in records),
             "incomplete": sum(r["status"] != "complete" for r in records),
             "rows": sum(r["rows"] for r in records),
+            "rows_shared": shared,
+            "requests_sharing": sum("shared" in r for r in records),
             "shards": len(self._shards),
-            "bytes": sum(s["bytes"] for s in self._shards.values()),
+            "bytes": nbytes,
+            "bytes_shared": shared * nbytes // stored if stored else 0,
             "rows_dropped": dropped,
             "runs": len(self._runs),
         }
@@ -193,14 +211,7 @@ class Store:
         if unknown:
             raise KeyError(f"tensors {unknown} are not in this store; it holds {self.tensor_names}")
         scales = [scale_name(name) for name in names] if self.quantized else []
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in (*ROW_FIELDS, *names, *scales)}
-        for shard_id, start, count in record["spans"]:
-            shard = self._shard(shard_id)
-            self._check_owner(shard, key, start, count)
-            for name in (*ROW_FIELDS, *scales):
-                parts[name].append(self._small(shard, name)[start : start + count].copy())
-            for name in names:
-                parts[name].append(self._rows(shard, key, name, start, count))
+        parts = self._parts(key, (*ROW_FIELDS, *scales), names, None, ())
         out = {name: self._tensor(name, pieces) for name, pieces in parts.items()}
         positions = out["positions"]
         if not bool((positions[1:] >= positions[:-1]).all()):  # rows arrive in order unless a step was split
@@ -216,6 +227,63 @@ class Store:
         sample = {"input_ids": out.pop("token_ids"), "positions": positions, "loss_mask": mask}
         sample.update(out)
         return sample
+
+    def _parts(
+        self, key: str, small: tuple[str, ...], names: list[str], window: tuple[int, int] | None, chain: tuple[str, ...]
+    ) -> dict[str, list[np.ndarray]]:
+        """Pieces of each field of a request's rows (taken by reference from donors first, then its own), only
+        those at positions in ``window`` when one is given; ``chain`` the requests whose references led here."""
+        record = self.record(key)
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in (*small, *names)}
+        for entry in record.get("shared", ()):
+            if window is None or (entry["start"] < window[1] and entry["end"] > window[0]):
+                donated = self._donated(key, entry, small, names, chain)
+                for name, pieces in _within(donated, window).items():
+                    parts[name].extend(pieces)
+        for shard_id, start, count in record["spans"]:
+            shard = self._shard(shard_id)
+            self._check_owner(shard, key, start, count)
+            select = None
+            if window is not None:
+                inside = np.flatnonzero(_between(self._small(shard, "positions")[start : start + count], window))
+                if not len(inside):
+                    continue
+                start, count, select = start + int(inside[0]), int(inside[-1] - inside[0]) + 1, inside - inside[0]
+            for name in small:
+                piece = self._small(shard, name)[start : start + count]
+                parts[name].append(piece.copy() if select is None else piece[select])
+            for name in names:
+                rows = self._rows(shard, key, name, start, count)
+                parts[name].append(rows if select is None else rows[select])
+        return parts
+
+    def _donated(
+        self, key: str, entry: dict[str, Any], small: tuple[str, ...], names: list[str], chain: tuple[str, ...]
+    ) -> dict[str, list[np.ndarray]]:
+        """The rows a ``shared`` entry of ``key`` names: the donor's positions ``[start, end)``, one row each,
+        whose token ids are those the reference was made for."""
+        donor, start, end = entry["id"], entry["start"], entry["end"]
+        where = f"{self.root / INDEX_FILE}: request {key!r} takes positions {start}..{end - 1} from request {donor!r}"
+        if donor in chain or donor == key:
+            raise StoreError(f"{where}, which takes them back from it (a cycle): the index is damaged")
+        if donor not in self._requests:
+            raise StoreError(f"{where}, which the store does not hold: the index is damaged or cut short")
+        try:
+            parts = self._parts(donor, tuple(dict.fromkeys(("positions", "token_ids", *small))), names, (start, end),
+                                (*chain, key))  # fmt: skip
+        except StoreError as exc:
+            raise StoreError(f"{where}: {exc}") from None
+        positions = np.concatenate(parts["positions"]) if parts["positions"] else np.empty(0, np.int64)
+        order = np.argsort(positions, kind="stable")
+        if not np.array_equal(positions[order], np.arange(start, end)):
+            raise StoreError(f"{where}, which holds {len(np.unique(positions))} of them: the donor cannot serve them")
+        tokens = np.concatenate(parts["token_ids"])[order]
+        if tokens_crc32(tokens) != entry["tokens_crc32"]:
+            raise StoreError(
+                f"{where}, whose token ids there have crc32 {tokens_crc32(tokens)}, the reference says "
+                f"{entry['tokens_crc32']}: the donor's line is not the one referenced (or is damaged)"
+            )
+        return {name: parts[name] for name in (*small, *names)}
 
     def _tensor(self, name: str, pieces: list[np.ndarray]) -> torch.Tensor:
         """The pieces of one field, as returned: per-row fields and scales as they are, rows viewed in their dtype."""
@@ -321,3 +389,15 @@ def open_store(path: str | Path, verify: bool = True) -> Store:
     """Open one store directory for reading (:func:`hscapture.open_store` also opens a set of parts);
     ``verify=False`` skips the checksums of the rows returned."""
     return Store(path, verify=verify)
+
+
+def _between(positions: np.ndarray, window: tuple[int, int]) -> np.ndarray:
+    return (positions >= window[0]) & (positions < window[1])
+
+
+def _within(parts: dict[str, list[np.ndarray]], window: tuple[int, int] | None) -> dict[str, list[np.ndarray]]:
+    """The pieces of a request's fields (positions among them) at positions in ``window`` only."""
+    if window is None or not parts["positions"]:
+        return parts
+    keep = _between(np.concatenate(parts["positions"]), window)
+    return {name: [np.concatenate(pieces)[keep]] if pieces else [] for name, pieces in parts.items()}

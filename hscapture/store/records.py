@@ -23,7 +23,9 @@ class Finish:
 
     ``reason`` is ``finished``, ``aborted``, ``retracted`` (or another engine word);
     ``num_tokens`` the rows it should have (0: unknown); ``dropped_rows`` how many of them were
-    dropped before reaching the store; ``loss_mask`` the half-open position ranges trained on.
+    dropped before reaching the store; ``loss_mask`` the half-open position ranges trained on;
+    ``prefix_token_ids`` the token ids of its first positions when the engine never forwarded them
+    (a prefix-cache hit), so the store can find the request whose rows they are.
     """
 
     reason: str = "finished"
@@ -31,6 +33,7 @@ class Finish:
     dropped_rows: int = 0
     loss_mask: Sequence[Sequence[int]] = ()
     meta: dict[str, Any] = field(default_factory=dict)
+    prefix_token_ids: np.ndarray | None = None
 
 
 @dataclass
@@ -43,6 +46,8 @@ class Request:
     end_reason: str = ""
     #: When the writer first saw it: request lines are written in this order.
     order: int = 0
+    #: Its index line once its shards are listed, waiting for the lines of donors it names (``shared``).
+    line: dict[str, Any] | None = None
 
     def add(self, shard_id: int, row: int, positions: np.ndarray) -> None:
         """``len(positions)`` rows of this request at shard ``shard_id`` rows ``row...``, in arrival order."""
@@ -75,15 +80,20 @@ def add_runs(runs: list[list[int]], positions: np.ndarray) -> None:
             runs.append([start, end])
 
 
-def request_record(request_id: str, request: Request) -> dict[str, Any]:
-    """The index line of a request: where its rows are and whether it is complete, and why not."""
+def request_record(request_id: str, request: Request, shared: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The index line of a request: where its rows are and whether it is complete, and why not.
+
+    ``shared`` are references to donors' rows (``{"id", "start", "end", "tokens_crc32"}``, FORMAT.md) for
+    positions the request holds no rows of: they count as held, and go on the line.
+    """
     finished = request.finished
     expected = finished.num_tokens if finished is not None and finished.num_tokens else None
     spans, runs, rows, surplus = _past_end_trimmed(request, expected)
     merged = _merge(runs)
     covered = sum(end - start for start, end in merged)
-    upper = expected if expected is not None else (merged[-1][1] if merged else 0)
-    missing = _complement(merged, upper)
+    held = _merge(runs + [[entry["start"], entry["end"]] for entry in shared]) if shared else merged
+    upper = expected if expected is not None else (held[-1][1] if held else 0)
+    missing = _complement(held, upper)
     problems = []
     if finished is None:
         problems.append(request.end_reason or "no finish event")
@@ -105,10 +115,11 @@ def request_record(request_id: str, request: Request) -> dict[str, Any]:
         "status": "incomplete" if problems else "complete",
         "reason": "; ".join(problems),
         "rows": rows,
-        "num_tokens": expected if expected is not None else covered,
+        "num_tokens": expected if expected is not None else covered + sum(e["end"] - e["start"] for e in shared),
         "dropped_rows": dropped,
         "missing": missing,
         "spans": spans,
+        **({"shared": list(shared)} if shared else {}),
         **({"surplus_rows": surplus} if surplus else {}),
         "loss_mask": [list(r) for r in finished.loss_mask] if finished is not None else [],
         "meta": finished.meta if finished is not None else {},

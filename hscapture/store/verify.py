@@ -47,6 +47,7 @@ from hscapture.store.format import (
     scan_index,
     shard_files,
 )
+from hscapture.store.references import follow_references
 
 BLOCK_BYTES = 8 << 20
 
@@ -113,6 +114,8 @@ class VerifyReport:
     bad_index_lines: list[IndexProblem] = field(default_factory=list)
     misplaced: list[IndexProblem] = field(default_factory=list)
     duplicates: list[IndexProblem] = field(default_factory=list)
+    #: Requests whose references (``shared``) cannot be followed: a donor not held, lacking the rows, a cycle.
+    dangling: list[IndexProblem] = field(default_factory=list)
     #: Requests whose rows listed shards hold, recorded by no line (lost lines, or a dead writer's).
     unrecorded: list[str] = field(default_factory=list)
     #: How many such requests a live writer has still to record (not a failure).
@@ -130,6 +133,7 @@ class VerifyReport:
             or self.bad_index_lines
             or self.misplaced
             or self.duplicates
+            or self.dangling
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,7 +164,11 @@ def verify_store(
 
     touching: dict[int, list[str]] = {}
     spans: dict[int, list[_Span]] = {}
-    for request_id, (line, request_spans) in requests.items():
+    references = follow_references({request_id: record for request_id, (_, record) in requests.items()})
+    for request_id, problem in references.broken.items():
+        report.dangling.append(IndexProblem(requests[request_id][0], problem, request_id))
+    for request_id, (line, record) in requests.items():
+        request_spans = record["spans"]
         unknown = sorted({s[0] for s in request_spans if s[0] not in shards})
         if unknown:
             report.unknown_shards.append(
@@ -197,14 +205,17 @@ def verify_store(
         report.pending = len(unrecorded)
     else:
         report.unrecorded = unrecorded
+    for request_id, donors in references.donors.items():  # a damaged donor damages every request reading it
+        for shard_id in dict.fromkeys(s[0] for donor in donors for s in requests[donor][1]["spans"]):
+            if request_id not in touching.setdefault(shard_id, []):
+                touching[shard_id].append(request_id)
     bad = {check.id for check in report.corrupted + report.missing}
     for check in report.corrupted + report.missing:
         check.requests = touching.get(check.id, [])
-    named = {problem.request for problem in report.unknown_shards + report.misplaced + report.duplicates}
+    named = {p.request for p in report.unknown_shards + report.misplaced + report.duplicates + report.dangling}
+    reading = {request_id for shard_id in bad for request_id in touching.get(shard_id, [])}
     report.affected_requests = [
-        request_id
-        for request_id, (_, request_spans) in requests.items()
-        if request_id in named or any(s[0] in bad for s in request_spans)
+        request_id for request_id in requests if request_id in named or request_id in reading
     ] + report.unrecorded
     return report
 
@@ -235,13 +246,13 @@ def _check_is_store(root: Path) -> dict[str, Any]:
 
 def _read_index(
     root: Path, report: VerifyReport, version: int
-) -> tuple[dict[int, dict[str, Any]], dict[str, tuple[int, list[list[int]]]]]:
+) -> tuple[dict[int, dict[str, Any]], dict[str, tuple[int, dict[str, Any]]]]:
     """Shard lines by id, and per request id the line a reader serves (its first complete line, else its
-    last) with its spans; bad lines and ids listed complete twice go into the report."""
+    last) with its number; bad lines and ids listed complete twice go into the report."""
     scan = scan_index(root, version)
     report.torn_tail, report.torn_tail_bytes = scan.torn_bytes > 0, scan.torn_bytes
     shards: dict[int, dict[str, Any]] = {}
-    requests: dict[str, tuple[int, list[list[int]]]] = {}
+    requests: dict[str, tuple[int, dict[str, Any]]] = {}
     complete: dict[str, int] = {}
     for line in scan.lines:
         record = line.record
@@ -259,7 +270,7 @@ def _read_index(
             if record["status"] == "complete":
                 complete[request_id] = line.number
             requests.pop(request_id, None)  # the later line, in its position
-            requests[request_id] = (line.number, record["spans"])
+            requests[request_id] = (line.number, record)
     return shards, requests
 
 
@@ -486,7 +497,8 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
             f"{problem.shards} that no shard line lists; its rows cannot be read"
         )
     lines.extend(f"bad index line: {INDEX_FILE} line {p.line}: {p.problem}" for p in report.bad_index_lines)
-    for kind, found in (("misplaced rows", report.misplaced), ("duplicate", report.duplicates)):
+    kinds = (("misplaced rows", report.misplaced), ("duplicate", report.duplicates), ("dangling", report.dangling))
+    for kind, found in kinds:
         lines.extend(f"{kind}: {INDEX_FILE} line {p.line}: request {p.request}: {p.problem}" for p in found[:show])
         if len(found) > show:
             lines.append(f"... and {len(found) - show} more {kind} lines")
@@ -513,6 +525,7 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
             f"{len(report.lost)} unlisted shards, {len(report.unrecorded)} unrecorded requests, "
             f"{len(report.unknown_shards)} requests naming unknown shards, "
             f"{len(report.misplaced)} spans naming others' rows, {len(report.duplicates)} duplicate complete lines, "
+            f"{len(report.dangling)} references that cannot be followed, "
             f"{len(report.bad_index_lines)} bad index lines{', a bad meta.json' if report.meta_problem else ''}"
         )
     return "\n".join(lines)

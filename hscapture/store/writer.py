@@ -34,6 +34,7 @@ from hscapture.store.format import (
     INDEX_FILE,
     META_FILE,
     READ_VERSIONS,
+    SHARED_VERSION,
     STORE_FORMAT,
     STORE_VERSION,
     check_store_dtype,
@@ -43,6 +44,7 @@ from hscapture.store.format import (
     shard_name,
 )
 from hscapture.store.index import KEPT, IndexLog, rewrite_index
+from hscapture.store.prefixes import PrefixIndex
 from hscapture.store.records import Finish, Request, once, request_record
 from hscapture.store.recovery import recover_open_runs
 from hscapture.store.shards import WRITEBACK_BYTES, ShardBuffer, ShardSpec, new_buffer, write_shard
@@ -213,6 +215,8 @@ class StoreWriter:
         self._waiting_on: dict[int, set[str]] = {}
         #: Ended requests whose shards may all be listed now.
         self._ready: list[str] = []
+        #: Requests whose shards are listed and whose line names a donor whose own line is not yet.
+        self._held: list[str] = []
         self._arrivals = 0
         self._allocate: Callable[[int], np.ndarray] = _pageable
         #: Rows committed, and requests whose line is written.
@@ -235,6 +239,7 @@ class StoreWriter:
         # Past every shard on disk too: one left unlisted (its line lost) is never overwritten.
         self._next_shard = 1 + max(self._indexed | set(shard_files(self.root)), default=-1)
         self._complete = {r["id"] for r in records if r["type"] == "request" and r["status"] == "complete"}
+        self._prefixes = PrefixIndex(self.root, records)
         self._index = IndexLog(self.root / INDEX_FILE, self.file_mode)
         self._index.append(recover_open_runs(self.root, records, self._meta))
 
@@ -242,10 +247,14 @@ class StoreWriter:
         """Make a version-1 store version 2: every index line gets its checksum (index first: a crash
         in between leaves checksummed lines in a version-1 store, which version-1 readers ignore)."""
         rewrite_index(self.root / INDEX_FILE, records, self.file_mode)
+        self._set_version(STORE_VERSION)
+
+    def _set_version(self, version: int) -> None:
+        """Raise ``meta.json``'s version (before the first line that needs it is written)."""
         assert self._meta is not None
-        self._meta = {**self._meta, "version": STORE_VERSION}
+        log.info("%s: store version %d -> %d", self.root, self._meta["version"], version)
+        self._meta = {**self._meta, "version": version}
         write_atomic(self.root / META_FILE, json.dumps(self._meta, indent=2).encode(), self.file_mode)
-        log.info("%s: upgraded from store version 1 to %d", self.root, STORE_VERSION)
 
     # ------------------------------------------------------------------ runs
 
@@ -393,6 +402,7 @@ class StoreWriter:
                 f"for {rows} reserved rows"
             )
         owner = np.repeat(np.arange(len(request_ids)), request_rows) if len(request_ids) > 1 else None
+        self._prefixes.add_rows(request_ids, request_rows, positions, token_ids)
         begin = 0
         for piece in reservation.pieces:
             shard, at, count = piece._shard, piece._start, piece.rows
@@ -581,21 +591,44 @@ class StoreWriter:
         if lines:  # listed even when another shard's write failed: shards already counted as listed
             rows, nbytes = sum(line["rows"] for line in lines), sum(line["bytes"] for line in lines)
             self._index.append(lines, barrier=True, on_durable=lambda: self._durable(rows, nbytes))
-        ready = []
-        for request_id in self._ready:  # a request with rows in a shard whose write failed never gets here
-            if self._unlisted.get(request_id) == set():
-                del self._unlisted[request_id]
-                ready.append((request_id, self._requests.pop(request_id)))
-        self._ready.clear()
-        done = [
-            once(request_record(request_id, request), self._complete)
-            for request_id, request in sorted(ready, key=lambda r: r[1].order)
-        ]
+        ready = [request_id for request_id in self._ready if self._unlisted.get(request_id) == set()]
+        self._ready.clear()  # a request with rows in a shard whose write failed never gets here
+        for request_id in ready:
+            del self._unlisted[request_id]
+        ready.sort(key=lambda request_id: self._requests[request_id].order)
+        done: list[dict[str, Any]] = []
+        candidates = self._held + ready
+        while candidates:  # again while a line written frees one waiting for its donor's
+            held = []
+            for request_id in candidates:
+                request = self._requests[request_id]
+                if request.line is None:
+                    request.line = self._shared_line(request_id, request)
+                if self._prefixes.waiting(request.line):
+                    held.append(request_id)
+                    continue
+                del self._requests[request_id]
+                line = once(request.line, self._complete)
+                if "shared" in line and self._meta is not None and self._meta["version"] < SHARED_VERSION:
+                    self._set_version(SHARED_VERSION)
+                self._prefixes.record(line, request.finished.prefix_token_ids if request.finished else None)
+                done.append(line)
+            if len(held) == len(candidates):
+                break
+            candidates = held
+        self._held = candidates
         self._index.append(done)
         self.requests_written += len(done)
         if failed is not None:
             shard_id, error = failed
             raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {KEPT}") from error
+
+    def _shared_line(self, request_id: str, request: Request) -> dict[str, Any]:
+        """The request's line, its missing prefix taken by reference from a donor's rows where one holds it."""
+        line = request_record(request_id, request)
+        prefix = request.finished.prefix_token_ids if request.finished is not None else None
+        shared = self._prefixes.references(line, prefix)
+        return request_record(request_id, request, shared) if shared else line
 
     def _durable(self, rows: int, nbytes: int) -> None:
         """On the index thread, once shard lines are fsync'd."""
