@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from hscapture.config import STORE_DTYPES, MiB, ensure_writable_dir, flag, store_dtype_name
 from hscapture.consumer import consume_command
-from hscapture.data import Sample, keyed_records, load_samples
+from hscapture.data import Sample, keyed_records, load_samples, tokenize_workers
 from hscapture.errors import HSCaptureError
 from hscapture.parallel import Job, run_jobs
 from hscapture.partition import Part
@@ -87,8 +87,11 @@ class ExtractOptions:
     #: ``fp8``: the consumer stores rows as float8_e4m3fn with one float32 scale per row, half the
     #: bytes of bf16 (default: as captured, or as the existing store does).
     store_dtype: str | None = field(default=None, metadata=flag(choices=sorted(STORE_DTYPES)))
-    #: Threads of the consumer writing shards (default: as many as keep one disk busy: 2, fp8 2-4).
+    #: Threads of the consumer writing shards (default 2: what keeps one disk busiest).
     writer_threads: int | None = None
+    #: Processes tokenizing the data side by side (default: one per core, at most 16, shared among
+    #: --data-parallel jobs; none started for a data file under 1 MiB or fewer than 4 cores each).
+    tokenize_workers: int | None = None
     #: Show a progress bar.
     progress: bool = True
     #: Extra arguments for the consumer process (e.g. ``["--delay-ms", "5"]`` in tests).
@@ -223,6 +226,8 @@ def check_options(options: ExtractOptions) -> Path:
         raise ValueError("--layers: nothing to capture (no layer ids and --no-last); give layer ids or drop --no-last")
     if options.limit is not None and options.limit < 1:
         raise ValueError(f"--limit: {options.limit}; give how many records of the data to capture (at least 1)")
+    if options.tokenize_workers is not None and not 1 <= options.tokenize_workers <= 256:
+        raise ValueError(f"--tokenize-workers: {options.tokenize_workers}; give 1 to 256 processes (1: none started)")
     if options.engine not in ENGINES:
         raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
     if options.engine == "hf" and options.mode != "teacher":
@@ -306,7 +311,7 @@ def extract(options: ExtractOptions, bar: BarFactory | None = None) -> ExtractSu
     check_out_layout(out, parts)
     if len(parts) > 1:
         prepare_store_dir(out, options.share_group, what="directory of parts")
-        return _extract_parallel(options, out, parts)
+        return _extract_parallel(options, out, parts, data)
     part = parts[0] if parts else None
     if part is not None:  # this job's store is its part of --out
         prepare_store_dir(out, options.share_group, what="directory of parts")
@@ -411,11 +416,16 @@ def job_environments(options: ExtractOptions, jobs: int) -> list[dict[str, str]]
     return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * share : (i + 1) * share])} for i in range(jobs)]
 
 
-def _extract_parallel(options: ExtractOptions, out: Path, parts: list[Part]) -> ExtractSummary:
+def _extract_parallel(options: ExtractOptions, out: Path, parts: list[Part], data: Path) -> ExtractSummary:
     """One job per part, each in its own process (``hscapture extract --shard`` there), under one bar."""
     environments = job_environments(options, len(parts))
+    workers = options.tokenize_workers or tokenize_workers(data, len(parts))
     jobs = [
-        Job(part_dir(part), (replace(options, shard=str(part), data_parallel=1, progress=False),), env)
+        Job(
+            part_dir(part),
+            (replace(options, shard=str(part), data_parallel=1, progress=False, tokenize_workers=workers),),
+            env,
+        )
         for part, env in zip(parts, environments)
     ]
     results: list[ExtractSummary] = run_jobs(extract, jobs, show=options.progress)
@@ -442,7 +452,15 @@ def _run(
     skip = done_keys(out)
     keep = part.owns if part is not None else None
     samples = list(
-        load_samples(data, engine.tokenizer, options.max_length, skip_keys=skip, limit=options.limit, keep=keep)
+        load_samples(
+            data,
+            engine.tokenizer,
+            options.max_length,
+            skip_keys=skip,
+            limit=options.limit,
+            keep=keep,
+            workers=options.tokenize_workers or tokenize_workers(data),
+        )
     )
     if skip:
         print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)

@@ -26,6 +26,7 @@ from hscapture.data import (
     read_records,
     record_key,
     tokenize_record,
+    tokenize_workers,
 )
 from hscapture.tiny import demo_conversations, ensure_tiny_model, write_demo_jsonl
 
@@ -369,6 +370,31 @@ def test_load_samples_errors_name_line_and_key(tokenizer: Any, tmp_path: Path) -
     )
     with pytest.raises(ValueError, match=r"roles\.jsonl:2: record 'x9': messages\[1\]\.role is 'bot'"):
         list(load_samples(path, tokenizer))
+
+
+def test_tokenizing_processes_give_the_same_samples_in_order_and_the_same_errors(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    """``workers=2``: real spawned processes, each sent the tokenizer once; chunks come back in file order."""
+    data = write_demo_jsonl(tmp_path / "demo.jsonl", n=150)  # three chunks of 64 records, the last short
+    skip = {"demo-00003", "demo-00100"}
+    one = list(load_samples(data, tokenizer, skip_keys=skip, limit=140, max_length=40))
+    assert list(load_samples(data, tokenizer, skip_keys=skip, limit=140, max_length=40, workers=2)) == one
+    assert len(one) == 138
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}] * 70 + [{"id": "x9", "messages": [{"role": "bot"}]}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:71: record 'x9': messages\[0\]\.role is 'bot'"):
+        list(load_samples(bad, tokenizer, workers=2))
+
+
+def test_tokenizing_processes_start_only_where_they_repay_their_start(tmp_path: Path) -> None:
+    small = write_jsonl(tmp_path / "small.jsonl", [{"text": "a"}])
+    assert tokenize_workers(small) == 1
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"text": "%s"}\n' % ("x" * (1 << 20)))
+    cores = len(os.sched_getaffinity(0))
+    expected = min(16, cores) if cores >= 4 else 1
+    assert tokenize_workers(big) == expected
+    assert tokenize_workers(big, jobs=cores) == 1  # a core each: none started
 
 
 def test_duplicate_keys_name_both_lines(tokenizer: Any, tmp_path: Path) -> None:

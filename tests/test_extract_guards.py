@@ -58,6 +58,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "data is a directory": (["--data", str(tmp_path)], f"--data: '{tmp_path}' is not a file"),
         "negative limit": (["--limit", "-1"], "--limit: -1; give how many records"),
         "zero limit": (["--limit", "0"], "--limit: 0; give how many records"),
+        "no tokenizing process": (["--tokenize-workers", "0"], "--tokenize-workers: 0; give 1 to 256 processes"),
         "a lone surrogate": (["--data", str(surrogate)], f"{surrogate}:2: a string holds a lone surrogate '\\ud800'"),
     }
 
@@ -72,6 +73,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "data is a directory",
         "negative limit",
         "zero limit",
+        "no tokenizing process",
         "a lone surrogate",
     ],
 )
