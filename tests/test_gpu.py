@@ -151,6 +151,40 @@ def test_fp8_on_the_gpu_gives_the_cpu_quantizers_bits(dtype: torch.dtype) -> Non
 
 @pytest.mark.gpu
 @requires_gpu
+def test_the_fused_fp8_kernel_gives_the_cpu_quantizers_bits_for_every_bf16_value() -> None:
+    """The consumer's one-launch quantization of bf16 rows (``csrc/quantize_fp8.cu``): special rows, and
+    every one of the 65,536 bf16 bit patterns (rows of mixed magnitudes, so each meets several scales)."""
+    cupy = pytest.importorskip("cupy")
+    from hscapture.consumer.device_fp8 import bf16_kernel
+
+    kernel = bf16_kernel()
+    assert kernel is not None, "the kernel did not compile (see the log)"
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, HIDDEN)
+    shuffled = every.flatten()[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(3))]
+    mixed = torch.cat([every, shuffled.reshape(every.shape)])
+    rows = torch.cat([special_rows(torch.bfloat16, tensors=4, n=64, hidden=HIDDEN), mixed.reshape(4, -1, HIDDEN)], 1)
+    tensors, n, _ = rows.shape
+    slot = torch.zeros(tensors, n + 8, HIDDEN, dtype=torch.bfloat16, device="cuda")  # a strided view, as in a ring
+    slot[:, :n] = rows.cuda()
+    codes = torch.empty(tensors, n, HIDDEN, dtype=torch.uint8, device="cuda")
+    scales = torch.empty(tensors, n, device="cuda")
+    nonfinite = torch.empty(tensors, n, dtype=torch.int32, device="cuda")
+    args = [np.uint64(slot.data_ptr()), np.int64((n + 8) * HIDDEN), np.int32(HIDDEN)]
+    args += [np.uint64(codes.data_ptr()), np.uint64(scales.data_ptr()), np.uint64(nonfinite.data_ptr()), np.int32(n)]
+    torch.cuda.synchronize()
+    with cupy.cuda.Device(0):
+        kernel((n, tensors), (256,), tuple(args))
+    torch.cuda.synchronize()
+    for t in range(tensors):
+        want_codes, want_scales, _ = quantize_rows(rows[t])
+        assert torch.equal(codes[t].cpu(), want_codes.view(torch.uint8)), t
+        assert torch.equal(scales[t].cpu(), want_scales), t
+        want_counts = (~torch.isfinite(rows[t].float())).sum(-1).to(torch.int32)
+        assert torch.equal(nonfinite[t].cpu(), want_counts), t
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_fp8_store_from_a_cuda_ring_is_quantized_on_the_gpu(tmp_path: Path, endpoint: str) -> None:
     """A real consumer of a CUDA ring quantizes on the GPU and stores the CPU quantizer's bits, counts
     the non-finite values per shard, and the store verifies."""

@@ -8,20 +8,45 @@ the store's writer threads would store), and its codes, scales and non-finite co
 into the rows the store reserved. The engine's stream never waits for any of it: the slot's rows
 are read after the producer's event, on the consumer's own stream, as the plain copy out did.
 
-Cost: about ten elementwise kernels and ``3 x tensors`` small copies per block of up to
-:data:`~hscapture.fp8.BLOCK_ELEMENTS` values, ~18 bytes of device memory traffic per byte of bf16
-rows (a 4 MiB chunk: ~75 MB, tens of microseconds of HBM time on an H200), and ~1.5 bytes of
-device memory per value of a block for staging and temporaries (~28 MiB at most). The benchmark's
-``store`` suite measures it beside a plain copy of the same rows.
+Cost, for bf16 rows: one kernel per slot (``csrc/quantize_fp8.cu``, compiled with NVRTC: each
+row read twice, its codes written once) and ``3 x tensors`` small copies. The torch path it falls
+back to (other dtypes, or no NVRTC) is about ten elementwise kernels per block of up to
+:data:`~hscapture.fp8.BLOCK_ELEMENTS` values, ~18 bytes of device memory traffic per byte of rows,
+and competes with the engine for the GPU: the extract benchmark's fp8 run paid ~4 % of its time
+for it on an H200. The ``store`` suite measures the quantization beside a plain copy of the same rows.
 """
 
 from __future__ import annotations
 
+import logging
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 import torch
 
 from hscapture.fp8 import BLOCK_ELEMENTS, FP8, quantize_into
 from hscapture.ring.cuda import CudaRingReader
 from hscapture.store.writer import Reservation
+
+log = logging.getLogger(__name__)
+
+KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "quantize_fp8.cu"
+#: Threads per row (the kernel's THREADS).
+_THREADS = 256
+
+
+@cache
+def bf16_kernel() -> Any:
+    """The fused bf16 quantization kernel, compiled once per process; None where it cannot be."""
+    try:
+        import cupy
+
+        return cupy.RawModule(code=KERNEL_SOURCE.read_text()).get_function("quantize_bf16_rows")
+    except Exception as exc:  # no NVRTC, or a compile error: the torch path is always there
+        log.warning("fp8 quantization kernel unavailable (%s); quantizing with torch kernels", exc)
+        return None
 
 
 class DeviceQuantizer:
@@ -38,7 +63,10 @@ class DeviceQuantizer:
     def __init__(self, ring: CudaRingReader, tensors: int, hidden: int, dtype: torch.dtype, max_rows: int) -> None:
         self._ring = ring
         self._tensors, self._hidden, self._dtype = tensors, hidden, dtype
-        self._block_rows = max(1, min(max_rows, BLOCK_ELEMENTS // (tensors * hidden)))
+        self._kernel = bf16_kernel() if dtype == torch.bfloat16 else None
+        # The kernel takes a whole slot at once; torch's temporaries grow with the block, so it takes a few MiB.
+        per_block = max_rows if self._kernel is not None else BLOCK_ELEMENTS // (tensors * hidden)
+        self._block_rows = max(1, min(max_rows, per_block))
         self._device = torch.device("cuda", ring.device)
         self._stream = ring.torch_stream()
         shape = (tensors, self._block_rows)
@@ -60,7 +88,7 @@ class DeviceQuantizer:
             for low in range(0, rows, self._block_rows):
                 high = min(rows, low + self._block_rows)
                 codes, scales, counts = (a[:, : high - low] for a in (self._codes, self._scales, self._nonfinite))
-                quantize_into(slot[:, low:high], codes, scales, counts)
+                self._quantize(slot[:, low:high], row_stride, codes, scales, counts)
                 for start, piece in zip(starts, reservation.pieces):
                     a, b = max(low, start), min(high, start + piece.rows)
                     if a >= b:
@@ -70,3 +98,22 @@ class DeviceQuantizer:
                         ring.copy_from_device(codes[t, staged], piece.planes[t][reserved])
                         ring.copy_from_device(scales[t, staged], piece.scales[t][reserved])
                         ring.copy_from_device(counts[t, staged], piece.nonfinite[t][reserved])
+
+    def _quantize(
+        self, rows: torch.Tensor, row_stride: int, codes: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor
+    ) -> None:
+        """``[tensors, n, hidden]`` rows of the slot into the staging ``codes``, ``scales`` and ``counts``."""
+        if self._kernel is None:
+            quantize_into(rows, codes, scales, counts)
+            return
+        tensors, n, hidden = rows.shape
+        args = (
+            np.uint64(rows.data_ptr()),
+            np.int64(row_stride * hidden),
+            np.int32(hidden),
+            np.uint64(codes.data_ptr()),
+            np.uint64(scales.data_ptr()),
+            np.uint64(counts.data_ptr()),
+            np.int32(self._block_rows),
+        )
+        self._ring.launch(self._kernel, (n, tensors), (_THREADS,), args)

@@ -218,6 +218,11 @@ class CudaRingReader(RingReader):
         """This reader's copy stream, as torch sees it."""
         return torch.cuda.ExternalStream(self._stream.ptr, device=torch.device("cuda", self.device))
 
+    def launch(self, kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
+        """Queue a cupy kernel on this reader's stream (ordered like :meth:`torch_stream`'s work)."""
+        with self._device, self._stream:
+            kernel(grid, block, args)
+
     def copy_from_device(self, src: torch.Tensor, dst: np.ndarray) -> None:
         """Copy the contiguous device tensor ``src`` (e.g. rows worked on) into ``dst`` on this reader's stream."""
         if not src.is_contiguous() or src.nbytes != dst.nbytes or src.device != self._bytes.device:
