@@ -2,9 +2,10 @@
 
 Two sockets per run, named for their role (zguide habit: the long-lived side binds):
 
-* ``announce`` (producer ROUTER, bound -> consumer DEALER): :class:`Layout`, :class:`Chunk`,
-  :class:`RequestFinished`, :class:`EndOfStream`, in the order the engine produced them, to the one
-  attached consumer; :class:`Refused` to a consumer that may not attach.
+* ``announce`` (producer ROUTER, bound -> consumer DEALER): :class:`Layout`, :class:`Chunk` (alone,
+  or several in one :class:`Announcements`), :class:`RequestFinished`, :class:`EndOfStream`, in the
+  order the engine produced them, to the one attached consumer; :class:`Refused` to a consumer that
+  may not attach.
 * ``release`` (consumer PUSH -> producer PULL, bound): :class:`Hello` (attach and heartbeat)
   and :class:`Release` (a credit: the slot may be written again).
 
@@ -24,7 +25,8 @@ import numpy as np
 from hscapture.errors import ProtocolError
 
 #: 2: announcements addressed to one consumer (ROUTER/DEALER), :class:`Refused`, liveness fields in :class:`Hello`.
-PROTOCOL_VERSION = 2
+#: 3: :class:`Announcements` (several chunks in one message).
+PROTOCOL_VERSION = 3
 
 #: Row metadata travels as little-endian int64 arrays packed in msgpack bin fields.
 ROW_DTYPE = np.dtype("<i8")
@@ -126,6 +128,16 @@ class Chunk(Message, tag="chunk"):
     ring_slots_used: int = 0
 
 
+class Announcements(Message, tag="chunks"):
+    """Producer -> consumer: several chunks in seq order, sent at once to pay a send's fixed cost once.
+
+    Each element is one whole encoded :class:`Chunk` message (version field included), the very
+    bytes the chunk would have been sent as alone; the consumer takes each as if it had come alone.
+    """
+
+    chunks: list[msgspec.Raw]
+
+
 class RequestFinished(Message, tag="finished"):
     """Producer -> consumer: no more rows will come for ``request_id``.
 
@@ -156,7 +168,7 @@ class EndOfStream(Message, tag="eos"):
 
 
 ToProducer = Hello | Release
-ToConsumer = Layout | Chunk | RequestFinished | EndOfStream | Refused
+ToConsumer = Layout | Chunk | Announcements | RequestFinished | EndOfStream | Refused
 
 _encoder = msgspec.msgpack.Encoder()
 _to_producer = msgspec.msgpack.Decoder(ToProducer)
@@ -189,7 +201,7 @@ def decode_to_producer(data: bytes) -> Hello | Release:
     return _decode(_to_producer, data)
 
 
-def decode_to_consumer(data: bytes) -> Layout | Chunk | RequestFinished | EndOfStream | Refused:
+def decode_to_consumer(data: bytes) -> Layout | Chunk | Announcements | RequestFinished | EndOfStream | Refused:
     """Decode a message the consumer receives, or raise :class:`ProtocolError` saying why."""
     return _decode(_to_consumer, data)
 

@@ -205,6 +205,7 @@ class Requests:
 
     def capture(self, producer: Producer, rid: str, half: int) -> None:
         assert producer.capture_step(self.states(rid, half), [rid], [8], *self.meta(rid, half)) == 8
+        producer.poll()  # these tests say which consumer was sent what: send it now, not with later chunks
 
     def finish(self, producer: Producer, rid: str) -> None:
         producer.finish_request(rid, num_tokens=16, loss_mask=[(1, 16)])

@@ -240,6 +240,8 @@ class Consumer:
                 pass  # meant for a consumer before us; the producer re-announces after our layout
             elif isinstance(message, protocol.Chunk):
                 self._on_chunk(message, hash(data))
+            elif isinstance(message, protocol.Announcements):
+                self._on_announcements(message)
             elif isinstance(message, protocol.RequestFinished):
                 self._on_finished(message)
                 self.stats.requests_finished += 1
@@ -349,6 +351,19 @@ class Consumer:
         self.stats.rows_dropped = self._drops.reported(chunk.dropped_rows)
         self._ring_used_at_chunk, self._released_since_chunk = chunk.ring_slots_used, 0
         self._settle()
+
+    def _on_announcements(self, message: protocol.Announcements) -> None:
+        """Take each chunk as if it had come alone (its digest is of its own bytes); a bad one is rejected alone."""
+        for part in message.chunks:
+            data = bytes(part)
+            try:
+                chunk = protocol.decode_to_consumer(data)
+                if not isinstance(chunk, protocol.Chunk):
+                    raise ProtocolError(f"Announcements: holds a {type(chunk).__name__}; only chunks travel together")
+                self._on_chunk(chunk, hash(data))
+            except ProtocolError as exc:
+                self.stats.messages_rejected += 1
+                log.warning("rejected chunk of an Announcements message: %s", exc)
 
     def _reserve(self, rows: int) -> Reservation | None:
         """Room in the store for ``rows`` rows (None with discard).
