@@ -215,9 +215,11 @@ def main() -> None:
     row_bytes = (len(LAYERS) + 1) * args.hidden * 2
     max_rows = args.chunk + max(args.batches)
     slot_bytes = -(-max_rows * row_bytes // SLOT_ALIGN) * SLOT_ALIGN
+    # 32 slots: SGLang's default ring (two of its largest steps in 4 MiB slots) holds well over a hundred, and a
+    # decode step takes one. Announcements held back a few steps keep a few more slots out of circulation.
     config = CaptureConfig(
         layers=LAYERS, hidden_size=args.hidden, num_layers=32, dtype="bfloat16", device=args.device,
-        policy="drop", endpoint=endpoint, slot_bytes=slot_bytes, ring_bytes=8 * slot_bytes, max_step_rows=max_rows,
+        policy="drop", endpoint=endpoint, slot_bytes=slot_bytes, ring_bytes=32 * slot_bytes, max_step_rows=max_rows,
     )  # fmt: skip
     consumer = subprocess.Popen(
         consume_command(endpoint, None, "--discard", "--exit-on-eos", "--quiet", "--watch-pid", str(os.getpid()))

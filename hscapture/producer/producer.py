@@ -189,7 +189,9 @@ class Producer:
         self.token = config.token or (secrets.token_hex(16) if config.endpoint.startswith("ipc://") else "")
         self.counters = ProducerCounters()
         self._descriptions = list(tensor_descriptions)
-        self._num_tensors, self._dtype = config.num_tensors, config.torch_dtype  # read every step
+        # Read every step (the config's properties cost more than the work they stand for).
+        self._num_tensors, self._dtype = config.num_tensors, config.torch_dtype
+        self._row_bytes, self._rows_per_slot = config.row_bytes, config.rows_per_slot
         self._meta = {"config": config.to_dict(), **(meta or {})}
         self._sockets = ProducerSockets(config.endpoint, config.keys)  # refuses an untrusted directory before the ring
         try:
@@ -342,13 +344,12 @@ class Producer:
         row_index: torch.Tensor | None,
         rows: int,
     ) -> WrittenStep:
-        config = self.config
         self.counters.steps += 1
         self._serve_when_due()
         slots: list[tuple[int, int, int]] = []
         begin = 0
         while begin < rows:
-            count = min(config.rows_per_slot, rows - begin)
+            count = min(self._rows_per_slot, rows - begin)
             slot = self._acquire_slot()
             if slot is None:
                 self._count_drop(request_ids, request_rows, begin, rows)
@@ -426,7 +427,7 @@ class Producer:
             step=step,
             slot=slot,
             offset=slot * config.slot_bytes,
-            nbytes=(row_stride or rows) * config.row_bytes,
+            nbytes=(row_stride or rows) * self._row_bytes,
             rows=rows,
             request_ids=ids,  # a list, or its encoded form (the same bytes on the wire)
             request_rows=counts,
@@ -964,6 +965,8 @@ def _spans(
 
 
 def _as_int64(values: np.ndarray | torch.Tensor | Sequence[int], rows: int, name: str) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.shape == (rows,):
+        return values  # what an engine adapter usually hands over: nothing to convert
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(
