@@ -231,6 +231,8 @@ def _version_hint(data: bytes) -> str:
 
 def pack_rows(values: np.ndarray) -> bytes:
     """int64 row metadata -> bytes for a :class:`Chunk` field."""
+    if type(values) is np.ndarray and values.dtype == ROW_DTYPE and values.flags.c_contiguous:  # nothing to convert
+        return values.tobytes()
     return np.ascontiguousarray(values, dtype=ROW_DTYPE).tobytes()
 
 
