@@ -7,7 +7,7 @@ Two sockets per run, named for their role (zguide habit: the long-lived side bin
   order the engine produced them, to the one attached consumer; :class:`Refused` to a consumer that
   may not attach.
 * ``release`` (consumer PUSH -> producer PULL, bound): :class:`Hello` (attach and heartbeat)
-  and :class:`Release` (a credit: the slot may be written again).
+  and :class:`Release` (credits: the slots may be written again).
 
 Every message carries the protocol version in its first field ``v``; fields are only ever
 added at the end, with defaults. Nothing is pickled. The codec is msgspec's msgpack, which
@@ -25,7 +25,7 @@ import numpy as np
 from hscapture.errors import ProtocolError
 
 #: 2: announcements addressed to one consumer (ROUTER/DEALER), :class:`Refused`, liveness fields in :class:`Hello`.
-#: 3: :class:`Announcements` (several chunks in one message).
+#: 3: :class:`Announcements` (several chunks in one message), ``Release.more`` (several slots released in one).
 PROTOCOL_VERSION = 3
 
 #: Row metadata travels as little-endian int64 arrays packed in msgpack bin fields.
@@ -56,11 +56,16 @@ class Hello(Message, tag="hello"):
 
 
 class Release(Message, tag="release"):
-    """Consumer -> producer: the slot announced with ``seq`` is copied out; it may be reused."""
+    """Consumer -> producer: the slot announced with ``seq`` is copied out; it may be reused.
+
+    ``more`` holds further ``(slot, seq)`` pairs whose copies landed at the same time: one message,
+    one receive on the producer's side, for the chunks of an :class:`Announcements` message.
+    """
 
     consumer_id: str
     slot: int
     seq: int
+    more: list[tuple[int, int]] = []
 
 
 class Refused(Message, tag="refused"):

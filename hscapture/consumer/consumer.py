@@ -248,9 +248,12 @@ class Consumer:
             elif isinstance(message, protocol.EndOfStream):
                 return self._on_end(message)
         except ProtocolError as exc:
-            self.stats.messages_rejected += 1
-            log.warning("rejected message on announce socket: %s", exc)
+            self._reject(exc)
         return False
+
+    def _reject(self, exc: ProtocolError) -> None:
+        self.stats.messages_rejected += 1
+        log.warning("rejected message on announce socket: %s", exc)
 
     def _on_layout(self, layout: protocol.Layout) -> None:
         if layout.consumer_id != self.consumer_id or layout.run_id == self.run_id:
@@ -325,7 +328,7 @@ class Consumer:
             # (it ignored our releases meanwhile). A slot still being copied is released when its copy lands,
             # never before; one released already is released again.
             if not any(isinstance(e, _Copy) and (e.slot, e.seq) == (chunk.slot, chunk.seq) for e in self._pending):
-                self._send_release(chunk.slot, chunk.seq)
+                self._send_release([(chunk.slot, chunk.seq)])
             return
         self._last_seq = chunk.seq  # used, even if the chunk is refused below: it cannot be replayed
         self._announced[chunk.slot] = (chunk.seq, digest)
@@ -362,8 +365,7 @@ class Consumer:
                     raise ProtocolError(f"Announcements: holds a {type(chunk).__name__}; only chunks travel together")
                 self._on_chunk(chunk, hash(data))
             except ProtocolError as exc:
-                self.stats.messages_rejected += 1
-                log.warning("rejected chunk of an Announcements message: %s", exc)
+                self._reject(exc)
 
     def _reserve(self, rows: int) -> Reservation | None:
         """Room in the store for ``rows`` rows (None with discard).
@@ -416,13 +418,14 @@ class Consumer:
             ring.complete()
         elif oldest and pending and isinstance(pending[0], _Copy):
             ring.wait(pending[0].token)
+        released: list[tuple[int, int]] = []  # sent in one message: one receive for the producer
         while pending:
             entry = pending[0]
             if isinstance(entry, _End):
                 assert self.store is not None
                 self.store.finish_request(entry.request_id, entry.finish)
             elif ring.done(entry.token):
-                self._send_release(entry.slot, entry.seq)
+                released.append((entry.slot, entry.seq))
                 self.stats.rows_released += entry.rows
                 if entry.reservation is not None:
                     assert self.store is not None
@@ -430,17 +433,23 @@ class Consumer:
                         entry.reservation, entry.request_ids, entry.request_rows, entry.positions, entry.token_ids
                     )
             else:
-                return
+                break
             pending.popleft()
+        if released:
+            self._send_release(released)
 
-    def _send_release(self, slot: int, seq: int) -> None:
-        log.debug("release slot %d seq %d", slot, seq)
-        release = protocol.Release(v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=slot, seq=seq)
-        self._released_since_chunk += 1
+    def _send_release(self, released: list[tuple[int, int]]) -> None:
+        """Release ``(slot, seq)`` pairs, oldest first, in one message."""
+        log.debug("release %s", released)
+        (slot, seq), more = released[0], released[1:]
+        message = protocol.Release(
+            v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=slot, seq=seq, more=more
+        )
+        self._released_since_chunk += len(released)
         try:
-            self._release.send(protocol.encode(release), zmq.NOBLOCK)
+            self._release.send(protocol.encode(message), zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("producer gone; slot %d not released", slot)
+            log.warning("producer gone; slots %s not released", [s for s, _ in released])
 
     def _on_end(self, message: protocol.EndOfStream) -> bool:
         if message.run_id != self.run_id:

@@ -775,17 +775,27 @@ class Producer:
                 log.warning("rejected message on release socket: %s", exc)
 
     def _on_release(self, message: protocol.Release) -> None:
-        """Free a slot released by the consumer it was last announced to, with the seq it was announced with."""
-        flight = self._in_flight.get(message.slot)
-        if flight is None or flight.seq != message.seq or flight.consumer != message.consumer_id:
-            raise ProtocolError(
-                f"Release: slot {short_repr(message.slot)} seq {short_repr(message.seq)} from consumer "
-                f"{short_repr(message.consumer_id)} does not match a slot in flight (stale or forged)"
-            )
-        del self._in_flight[message.slot]
-        self._free.append(message.slot)
-        if message.consumer_id == self._consumer_id:
+        """Free each slot released by the consumer it was last announced to, with the seq it was announced with.
+
+        Raises:
+            ProtocolError: some pair matches no slot in flight (the others are freed; the message is counted rejected).
+        """
+        consumer, in_flight, bad = message.consumer_id, self._in_flight, []
+        for slot, seq in ((message.slot, message.seq), *message.more):
+            flight = in_flight.get(slot)
+            if flight is None or flight.seq != seq or flight.consumer != consumer:
+                bad.append((slot, seq))
+                continue
+            del in_flight[slot]
+            self._free.append(slot)
+        if consumer == self._consumer_id and len(bad) < 1 + len(message.more):  # some slot was its to release
             self._peer_heard = time.monotonic()
+        if bad:
+            (slot, seq), others = bad[0], f" (and {len(bad) - 1} more pairs)" if len(bad) > 1 else ""
+            raise ProtocolError(
+                f"Release: slot {short_repr(slot)} seq {short_repr(seq)} from consumer {short_repr(consumer)} "
+                f"does not match a slot in flight (stale or forged){others}"
+            )
 
     def _on_hello(self, message: protocol.Hello) -> None:
         """Attach one consumer at a time, in two steps: offer the layout, then hand out credit once it confirms.
