@@ -369,6 +369,7 @@ def test_a_stray_hello_with_the_token_does_not_leak_the_real_consumers_slots(
         workload.step(producer)
         if step == 10:
             # The slow consumer still copies the chunks just announced when the hello lands.
+            producer.poll()  # sends the chunks held back
             assert producer._in_flight
             hostile.send(protocol.encode(Hello(v=V, consumer_id="second-consumer", token=producer.token)))
             deadline = time.monotonic() + 0.2  # takes the hello (and whatever else comes) meanwhile

@@ -317,7 +317,7 @@ class Consumer:
         elif now - self._refused_since > wait_s:
             raise AccessError(f"the producer at {self.config.endpoint} refused this consumer: {message.reason}")
 
-    def _on_chunk(self, chunk: protocol.Chunk, digest: int) -> None:
+    def _on_chunk(self, chunk: protocol.Chunk, digest: int, settle: bool = True) -> None:
         layout, ring = self._layout, self._ring
         assert layout is not None and ring is not None
         protocol.check_chunk(chunk, layout, self._row_bytes)
@@ -353,19 +353,22 @@ class Consumer:
         self.stats.rows += chunk.rows
         self.stats.rows_dropped = self._drops.reported(chunk.dropped_rows)
         self._ring_used_at_chunk, self._released_since_chunk = chunk.ring_slots_used, 0
-        self._settle()
+        if settle:
+            self._settle()
 
     def _on_announcements(self, message: protocol.Announcements) -> None:
-        """Take each chunk as if it had come alone (its digest is of its own bytes); a bad one is rejected alone."""
+        """Take each chunk as if it had come alone (its digest is of its own bytes); a bad one is rejected alone.
+        Copies that landed are settled once, after all: their slots go back in one release."""
         for part in message.chunks:
             data = bytes(part)
             try:
                 chunk = protocol.decode_to_consumer(data)
                 if not isinstance(chunk, protocol.Chunk):
                     raise ProtocolError(f"Announcements: holds a {type(chunk).__name__}; only chunks travel together")
-                self._on_chunk(chunk, hash(data))
+                self._on_chunk(chunk, hash(data), settle=False)
             except ProtocolError as exc:
                 self._reject(exc)
+        self._settle()
 
     def _reserve(self, rows: int) -> Reservation | None:
         """Room in the store for ``rows`` rows (None with discard).
