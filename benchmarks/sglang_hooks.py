@@ -7,11 +7,13 @@ The plugin's real hooks (``SGLangCapture.after_forward`` and ``after_batch_resul
 by the stand-in scheduler of ``benchmarks/sglang_standin.py`` in SGLang's overlap order: each
 forward queues ``--queued-ms`` of GPU work (``torch.cuda._sleep``) before its outputs, as a
 decode step of a large model does, then the forward hook runs on the forward stream; then the
-previous step's result is processed and ``after_batch_result`` runs. Captured: 3 aux layers and
-the last layer (``--hidden`` wide, bf16), drop policy, a ``--discard`` consumer process attached.
+previous step's result is processed and ``after_batch_result`` runs (it first waits for that
+step's token copy, as SGLang does, so at most two forwards are queued on the GPU). Captured: 3 aux
+layers and the last layer (``--hidden`` wide, bf16), drop policy, a ring of 32 slots (a decode step
+takes one), a ``--discard`` consumer process attached.
 On a CPU (``--device cpu``, host ring) each step instead sleeps ``--queued-ms`` outside the
 hooks, so the consumer keeps up; only the GPU run measures what the goal is about.
-Two variants, batch size by batch size, alternating, with the same producer and consumer:
+Three variants, batch size by batch size, alternating, with the same producer and consumer:
 
 * ``deferred`` (the plugin): ``after_forward`` copies the rows into the ring and records the
   slot's event (``Producer.write_step``); ``after_batch_result`` announces them with token ids
@@ -24,7 +26,9 @@ Two variants, batch size by batch size, alternating, with the same producer and 
   forward). Its row bookkeeping is the new one, so it is a lower bound of the old hook's cost.
 
 Reported per batch size and variant: host µs per decode step in the hooks (``after_forward``
-plus ``after_batch_result`` of one loop turn; median and p90 over ``--steps`` steps, warm-up
+plus ``after_batch_result`` of one loop turn; median, p90 and mean over ``--steps`` steps (the
+producer sends held announcements and takes releases every few steps: that shows in the mean and
+the p90, not the median), warm-up
 excluded, no synchronize inside the timed region; ``--clock thread`` counts this thread's CPU
 time instead, for a shared CPU host where preemption swamps the wall clock), each hook's median,
 host-device syncs per step (counted under ``torch.cuda.set_sync_debug_mode("warn")`` over a few untimed steps), and
