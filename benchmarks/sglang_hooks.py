@@ -7,21 +7,28 @@ The plugin's real hooks (``SGLangCapture.after_forward`` and ``after_batch_resul
 by the stand-in scheduler of ``benchmarks/sglang_standin.py`` in SGLang's overlap order: each
 forward queues ``--queued-ms`` of GPU work (``torch.cuda._sleep``) before its outputs, as a
 decode step of a large model does, then the forward hook runs on the forward stream; then the
-previous step's result is processed and ``after_batch_result`` runs. Captured: 3 aux layers and
-the last layer (``--hidden`` wide, bf16), drop policy, a ``--discard`` consumer process attached.
+previous step's result is processed and ``after_batch_result`` runs (it first waits for that
+step's token copy, as SGLang does, so at most two forwards are queued on the GPU). Captured: 3 aux
+layers and the last layer (``--hidden`` wide, bf16), drop policy, a ring of 32 slots (a decode step
+takes one), a ``--discard`` consumer process attached.
 On a CPU (``--device cpu``, host ring) each step instead sleeps ``--queued-ms`` outside the
 hooks, so the consumer keeps up; only the GPU run measures what the goal is about.
-Two variants, batch size by batch size, alternating, with the same producer and consumer:
+Three variants, batch size by batch size, alternating, with the same producer and consumer:
 
 * ``deferred`` (the plugin): ``after_forward`` copies the rows into the ring and records the
   slot's event (``Producer.write_step``); ``after_batch_result`` announces them with token ids
   from each request's host copy (``Producer.announce_step``).
+* ``deferred-cat``: ``deferred`` with the aux layers and the last layer written into the slot by one
+  ``torch.cat`` (one launch, into a strided view of the slot) instead of one copy each; the
+  written bytes are checked equal to the two copies' first.
 * ``sync`` (the hook before that change): the same rows announced at once by ``capture_step``,
   token ids read from the batch's device ``input_ids`` (``.cpu()``: the host waits for the
   forward). Its row bookkeeping is the new one, so it is a lower bound of the old hook's cost.
 
 Reported per batch size and variant: host µs per decode step in the hooks (``after_forward``
-plus ``after_batch_result`` of one loop turn; median and p90 over ``--steps`` steps, warm-up
+plus ``after_batch_result`` of one loop turn; median, p90 and mean over ``--steps`` steps (the
+producer sends held announcements and takes releases every few steps: that shows in the mean and
+the p90, not the median), warm-up
 excluded, no synchronize inside the timed region; ``--clock thread`` counts this thread's CPU
 time instead, for a shared CPU host where preemption swamps the wall clock), each hook's median,
 host-device syncs per step (counted under ``torch.cuda.set_sync_debug_mode("warn")`` over a few untimed steps), and
@@ -33,6 +40,7 @@ per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -44,7 +52,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +63,7 @@ from benchmarks.sglang_standin import FINISH_ABORT, ForwardMode, OverlapSchedule
 from hscapture.config import SLOT_ALIGN, CaptureConfig
 from hscapture.consumer import consume_command
 from hscapture.integrations.sglang import SGLangCapture
+from hscapture.producer import Producer
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS = (2, 16, 29)
@@ -72,6 +81,43 @@ class SyncCapture(SGLangCapture):
         states = [*aux.view(rows.total, -1, hidden).unbind(1), output.last_hidden_states]
         tokens = batch.input_ids.cpu()  # what Producer.capture_step did with a device tensor: waits
         self.producer.capture_step(states, rows.rids, rows.counts, rows.positions, tokens)
+
+
+@contextlib.contextmanager
+def one_launch(producer: Producer) -> Iterator[None]:
+    """While inside: a whole step of side-by-side states goes into its slot with one ``torch.cat`` launch."""
+
+    def write(
+        slot: int,
+        states: Sequence[torch.Tensor],
+        spans: tuple[int, ...],
+        row_index: torch.Tensor | None,
+        begin: int,
+        count: int,
+    ) -> None:
+        if row_index is not None or begin or count != states[0].shape[0]:
+            return Producer._write(producer, slot, states, spans, row_index, begin, count)
+        planes, _ = producer._targets(slot, count, spans)  # [tensors, rows, hidden]; cat writes [rows, tensors, hidden]
+        hidden = producer.config.hidden_size
+        torch.cat([state.view(count, -1, hidden) for state in states], dim=1, out=planes.transpose(0, 1))
+
+    producer._write = write  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del producer._write
+
+
+def check_one_launch(producer: Producer, hidden: int, device: str) -> None:
+    """The one-launch write leaves the very bytes the two copies leave."""
+    states = (torch.randn(5, 3 * hidden, device=device).bfloat16(), torch.randn(5, hidden, device=device).bfloat16())
+    producer._write(0, states, (3, 1), None, 0, 5)
+    want = producer._slots[0][: 4 * 5 * hidden].clone()
+    producer._slots[0].zero_()
+    with one_launch(producer):
+        producer._write(0, states, (3, 1), None, 0, 5)
+    if not torch.equal(producer._slots[0][: 4 * 5 * hidden], want):
+        raise SystemExit("deferred-cat: torch.cat wrote other bytes than the two copies")
 
 
 def _git_head() -> str:
@@ -178,6 +224,8 @@ def measure(
         top = [line for line in text.getvalue().splitlines() if line.strip()][:24]
     return {
         "median_us": round(statistics.median(totals), 1),
+        # Work done every few steps (sending held announcements, taking releases) shows in the mean, not the median.
+        "mean_us": round(statistics.fmean(totals), 1),
         "p90_us": round(float(np.percentile(totals, 90)), 1),
         "after_forward_median_us": round(statistics.median(forward_us), 1),
         "after_batch_result_median_us": round(statistics.median(result_us), 1),
@@ -215,9 +263,11 @@ def main() -> None:
     row_bytes = (len(LAYERS) + 1) * args.hidden * 2
     max_rows = args.chunk + max(args.batches)
     slot_bytes = -(-max_rows * row_bytes // SLOT_ALIGN) * SLOT_ALIGN
+    # 32 slots: SGLang's default ring (two of its largest steps in 4 MiB slots) holds well over a hundred, and a
+    # decode step takes one. Announcements held back a few steps keep a few more slots out of circulation.
     config = CaptureConfig(
         layers=LAYERS, hidden_size=args.hidden, num_layers=32, dtype="bfloat16", device=args.device,
-        policy="drop", endpoint=endpoint, slot_bytes=slot_bytes, ring_bytes=8 * slot_bytes, max_step_rows=max_rows,
+        policy="drop", endpoint=endpoint, slot_bytes=slot_bytes, ring_bytes=32 * slot_bytes, max_step_rows=max_rows,
     )  # fmt: skip
     consumer = subprocess.Popen(
         consume_command(endpoint, None, "--discard", "--exit-on-eos", "--quiet", "--watch-pid", str(os.getpid()))
@@ -227,18 +277,20 @@ def main() -> None:
     sync.producer = deferred.producer
     results: dict[str, dict[str, Any]] = {}
     try:
+        check_one_launch(deferred.producer, args.hidden, args.device)  # slot 0 is free: nothing is attached yet
         while not deferred.producer.attached:
             deferred.producer.poll()
             time.sleep(0.01)
         first = 0
         for n, batch in enumerate(args.batches):
-            variants = [("deferred", deferred), ("sync", sync)]
+            variants = [("deferred", deferred), ("deferred-cat", deferred), ("sync", sync)]
             for name, capture in variants if n % 2 == 0 else variants[::-1]:
                 profile = name == "deferred" and batch == GOAL_BATCH
-                result = measure(capture, batch, args, first, profile)
+                with one_launch(capture.producer) if name == "deferred-cat" else contextlib.nullcontext():
+                    result = measure(capture, batch, args, first, profile)
                 results.setdefault(str(batch), {})[name] = result
                 first += batch
-                print(f"batch {batch:>4} {name:>8}: {_brief(result)}", flush=True)
+                print(f"batch {batch:>4} {name:>12}: {_brief(result)}", flush=True)
                 if profile:
                     print("\n".join(result["profile_top"]), flush=True)
     finally:
@@ -276,15 +328,16 @@ def _brief(result: dict[str, Any]) -> dict[str, Any]:
 def table(record: dict[str, Any]) -> str:
     """Markdown table of a result record."""
     lines = [
-        "| batch | variant | host µs/step, median (p90) | after_forward | after_batch_result | syncs/step | dropped |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| batch | variant | host µs/step, median (p90) | mean | after_forward | after_batch_result | syncs/step "
+        "| dropped |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for batch, variants in record["results"].items():
-        for name in ("deferred", "sync"):
-            r = variants[name]
+        for name, r in variants.items():
             syncs = "—" if r["syncs_per_step"] is None else r["syncs_per_step"]
             lines.append(
-                f"| {batch} | {name} | {r['median_us']} ({r['p90_us']}) | {r['after_forward_median_us']} | "
+                f"| {batch} | {name} | {r['median_us']} ({r['p90_us']}) | {r.get('mean_us', '—')} | "
+                f"{r['after_forward_median_us']} | "
                 f"{r['after_batch_result_median_us']} | {syncs} | {r['rows_dropped']} |"
             )
     return "\n".join(lines)

@@ -2,11 +2,12 @@
 
 Two sockets per run, named for their role (zguide habit: the long-lived side binds):
 
-* ``announce`` (producer ROUTER, bound -> consumer DEALER): :class:`Layout`, :class:`Chunk`,
-  :class:`RequestFinished`, :class:`EndOfStream`, in the order the engine produced them, to the one
-  attached consumer; :class:`Refused` to a consumer that may not attach.
+* ``announce`` (producer ROUTER, bound -> consumer DEALER): :class:`Layout`, :class:`Chunk` (alone,
+  or several in one :class:`Announcements`), :class:`RequestFinished`, :class:`EndOfStream`, in the
+  order the engine produced them, to the one attached consumer; :class:`Refused` to a consumer that
+  may not attach.
 * ``release`` (consumer PUSH -> producer PULL, bound): :class:`Hello` (attach and heartbeat)
-  and :class:`Release` (a credit: the slot may be written again).
+  and :class:`Release` (credits: the slots may be written again).
 
 Every message carries the protocol version in its first field ``v``; fields are only ever
 added at the end, with defaults. Nothing is pickled. The codec is msgspec's msgpack, which
@@ -24,7 +25,8 @@ import numpy as np
 from hscapture.errors import ProtocolError
 
 #: 2: announcements addressed to one consumer (ROUTER/DEALER), :class:`Refused`, liveness fields in :class:`Hello`.
-PROTOCOL_VERSION = 2
+#: 3: :class:`Announcements` (several chunks in one message), ``Release.more`` (several slots released in one).
+PROTOCOL_VERSION = 3
 
 #: Row metadata travels as little-endian int64 arrays packed in msgpack bin fields.
 ROW_DTYPE = np.dtype("<i8")
@@ -54,11 +56,16 @@ class Hello(Message, tag="hello"):
 
 
 class Release(Message, tag="release"):
-    """Consumer -> producer: the slot announced with ``seq`` is copied out; it may be reused."""
+    """Consumer -> producer: the slot announced with ``seq`` is copied out; it may be reused.
+
+    ``more`` holds further ``(slot, seq)`` pairs whose copies landed at the same time: one message,
+    one receive on the producer's side, for the chunks of an :class:`Announcements` message.
+    """
 
     consumer_id: str
     slot: int
     seq: int
+    more: list[tuple[int, int]] = []
 
 
 class Refused(Message, tag="refused"):
@@ -126,6 +133,16 @@ class Chunk(Message, tag="chunk"):
     ring_slots_used: int = 0
 
 
+class Announcements(Message, tag="chunks"):
+    """Producer -> consumer: several chunks in seq order, sent at once to pay a send's fixed cost once.
+
+    Each element is one whole encoded :class:`Chunk` message (version field included), the very
+    bytes the chunk would have been sent as alone; the consumer takes each as if it had come alone.
+    """
+
+    chunks: list[msgspec.Raw]
+
+
 class RequestFinished(Message, tag="finished"):
     """Producer -> consumer: no more rows will come for ``request_id``.
 
@@ -160,7 +177,7 @@ class EndOfStream(Message, tag="eos"):
 
 
 ToProducer = Hello | Release
-ToConsumer = Layout | Chunk | RequestFinished | EndOfStream | Refused
+ToConsumer = Layout | Chunk | Announcements | RequestFinished | EndOfStream | Refused
 
 _encoder = msgspec.msgpack.Encoder()
 _to_producer = msgspec.msgpack.Decoder(ToProducer)
@@ -193,7 +210,7 @@ def decode_to_producer(data: bytes) -> Hello | Release:
     return _decode(_to_producer, data)
 
 
-def decode_to_consumer(data: bytes) -> Layout | Chunk | RequestFinished | EndOfStream | Refused:
+def decode_to_consumer(data: bytes) -> Layout | Chunk | Announcements | RequestFinished | EndOfStream | Refused:
     """Decode a message the consumer receives, or raise :class:`ProtocolError` saying why."""
     return _decode(_to_consumer, data)
 
@@ -223,6 +240,8 @@ def _version_hint(data: bytes) -> str:
 
 def pack_rows(values: np.ndarray) -> bytes:
     """int64 row metadata -> bytes for a :class:`Chunk` field."""
+    if type(values) is np.ndarray and values.dtype == ROW_DTYPE and values.flags.c_contiguous:  # nothing to convert
+        return values.tobytes()
     return np.ascontiguousarray(values, dtype=ROW_DTYPE).tobytes()
 
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,12 +130,12 @@ def check_store(out: Path, workloads: list[Workload]) -> dict[str, dict]:
 
 
 def assert_slots_accounted(producer: Producer) -> None:
-    """Every slot is exactly once either free or in flight: none was released twice or early.
+    """Every slot is exactly once either free, held to be announced, or in flight: none was released twice or early.
 
     Reads the producer's private bookkeeping: nothing public says which slots are in flight.
     """
-    free, flying = list(producer._free), list(producer._in_flight)
-    assert sorted(free + flying) == list(range(producer.config.num_slots)), (free, flying)
+    free, held, flying = list(producer._free), [h.slot for h in producer._held], list(producer._in_flight)
+    assert sorted(free + held + flying) == list(range(producer.config.num_slots)), (free, held, flying)
 
 
 REJECTED_ON_RELEASE = "rejected message on release socket: "
@@ -245,6 +246,8 @@ def test_producer_rejects_every_hostile_control_message_and_keeps_the_stream_bit
         (Release(v=V, consumer_id=real_id, slot=2**63 - 1, seq=2), "stale or forged"),
         (Release(v=V, consumer_id=real_id, slot=-(2**63), seq=2), "stale or forged"),
         (Release(v=V, consumer_id=real_id, slot=2**64 - 1, seq=2**64 - 1), "stale or forged"),
+        (Release(v=V, consumer_id=real_id, slot=-1, seq=1, more=[(num_slots, 1), (0, 2**63)]), "stale or forged"),
+        (_enc({"type": "release", "v": V, "consumer_id": real_id, "slot": 0, "seq": 1, "more": [[0]]}), "malformed"),
         (Hello(v=V, consumer_id="intruder"), "wrong token"),
         (Hello(v=V, consumer_id="", run_id=producer.run_id), "wrong token"),
         (Hello(v=V, consumer_id="\x00\x01\x7f"), "wrong token"),
@@ -366,6 +369,7 @@ def test_a_stray_hello_with_the_token_does_not_leak_the_real_consumers_slots(
         workload.step(producer)
         if step == 10:
             # The slow consumer still copies the chunks just announced when the hello lands.
+            producer.poll()  # sends the chunks held back
             assert producer._in_flight
             hostile.send(protocol.encode(Hello(v=V, consumer_id="second-consumer", token=producer.token)))
             deadline = time.monotonic() + 0.2  # takes the hello (and whatever else comes) meanwhile
@@ -452,6 +456,8 @@ class FakeProducer:
         self.rows: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
         #: The consumer process under test: waits fail at once when it has exited.
         self.consumer: LiveConsumer | None = None
+        #: ``(slot, seq)`` released and not taken by :meth:`next_release` yet (a release may carry several).
+        self.released: deque[tuple[int, int]] = deque()
 
     def close(self) -> None:
         self.sockets.close()
@@ -489,9 +495,11 @@ class FakeProducer:
         raise TimeoutError(f"nothing wanted from the consumer within {timeout_s} s")
 
     def next_release(self) -> tuple[int, int]:
-        release = self.wait_for(lambda m: isinstance(m, Release))
-        assert isinstance(release, Release) and release.consumer_id == self.consumer_id
-        return release.slot, release.seq
+        if not self.released:
+            release = self.wait_for(lambda m: isinstance(m, Release))
+            assert isinstance(release, Release) and release.consumer_id == self.consumer_id
+            self.released.extend([(release.slot, release.seq), *release.more])
+        return self.released.popleft()
 
     def first_hello(self, consumer: LiveConsumer, timeout_s: float = 15.0) -> None:
         self.consumer = consumer
@@ -658,6 +666,22 @@ def test_consumer_rejects_every_hostile_announcement_and_stores_exactly_the_vali
     second = fake.write(1, [("good-a", 3, 2), ("good-c", 0, 4)])
     announce(second)
 
+    # -- several chunks in one message: the good ones taken, each bad one rejected alone
+    together = [fake.write(2, [("good-e", 0, 2)]), fake.write(3, [("good-e", 2, 3)])]
+    inside = [
+        (fake.forge(seq=first.seq), r"Chunk\.seq"),
+        (RequestFinished(v=V, request_id="good-e", reason="finished"), "only chunks travel together"),
+        (fake.forge(v=V + 1), "protocol version"),
+        ({"type": "chunk", "v": V}, "malformed message"),
+    ]
+    parts = [msgspec.Raw(protocol.encode(c)) for c in together]
+    parts += [msgspec.Raw(protocol.encode(m) if isinstance(m, protocol.Message) else _enc(m)) for m, _ in inside]
+    fake.send(protocol.Announcements(v=V, chunks=parts))
+    hostile.extend(reason for _, reason in inside)
+    for chunk in together:
+        valid.append((chunk.slot, chunk.seq))
+        assert fake.next_release() == (chunk.slot, chunk.seq)
+
     # -- chunks that would read outside their slot or whose metadata does not add up
     two = protocol.pack_rows(np.arange(2))
     nine = protocol.pack_rows(np.arange(9))
@@ -749,7 +773,7 @@ def test_consumer_rejects_every_hostile_announcement_and_stores_exactly_the_vali
     fake.consumer = None  # it has exited: read what it left
     while (message := fake.receive(0.2)) is not None:  # after the end: hellos at most, no release
         assert isinstance(message, Hello), message
-    assert valid == [(c.slot, c.seq) for c in (first, second, third, fourth, fifth)]
+    assert valid == [(c.slot, c.seq) for c in (first, second, *together, third, fourth, fifth)]
 
     stderr = consumer.stderr()
     assert "Traceback" not in stderr, stderr[-3000:]

@@ -16,6 +16,7 @@ import torch
 from hscapture import open_store
 from hscapture.consumer import consume_command
 from hscapture.producer import Producer
+from hscapture.producer import producer as producer_module
 from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.workload import HIDDEN, NUM_TENSORS, Workload, make_config, make_producer
@@ -203,8 +204,11 @@ class Requests:
     def meta(self, rid: str, half: int) -> tuple[list[int], list[int]]:
         return list(range(8 * half, 8 * half + 8)), self.tokens[rid][8 * half : 8 * half + 8]
 
-    def capture(self, producer: Producer, rid: str, half: int) -> None:
+    def capture(self, producer: Producer, rid: str, half: int, send: bool = True) -> None:
+        """``send``: send it now (these tests say which consumer was sent what); else hold it for the next send."""
         assert producer.capture_step(self.states(rid, half), [rid], [8], *self.meta(rid, half)) == 8
+        if send:
+            producer.poll()
 
     def finish(self, producer: Producer, rid: str) -> None:
         producer.finish_request(rid, num_tokens=16, loss_mask=[(1, 16)])
@@ -231,12 +235,18 @@ def serve_until(producer: Producer, done: Callable[[], bool], what: str, timeout
 
 
 def first_consumer_holding_a(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, producer: Producer, requests: Requests
+    tmp_path: Path,
+    endpoint: str,
+    start_consumer: ConsumerFactory,
+    producer: Producer,
+    requests: Requests,
+    together: bool = False,
 ) -> subprocess.Popen:
-    """A consumer attached and sent both halves of request "a" (seqs 1 and 2), which it never releases."""
+    """A consumer attached and sent both halves of request "a" (seqs 1 and 2), which it never releases;
+    ``together``: in one message (held back, then sent together)."""
     first = start_consumer(tmp_path, endpoint, "--delay-ms", "600000")  # stuck in its first chunk
     wait_attached(producer)
-    requests.capture(producer, "a", 0)
+    requests.capture(producer, "a", 0, send=not together)
     requests.capture(producer, "a", 1)
     return first
 
@@ -255,18 +265,26 @@ def second_consumer_held_before_confirming(
     return second, gate, log
 
 
+@pytest.mark.parametrize("sent", ["alone", "together"])
 def test_a_restarted_consumer_slow_to_attach_takes_over_each_slot_in_flight_once_in_seq_order(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str
+    tmp_path: Path,
+    endpoint: str,
+    start_consumer: ConsumerFactory,
+    device: str,
+    sent: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first consumer dies holding every slot it was sent; the next one is offered the layout and has not
     confirmed when the engine announces a step it wrote before the death, then finishes a request whose rows the
     dead one held. The new consumer must get the dead one's slots first, in seq order, then that step and that
     finish, each once: nothing rejected as a replay, nothing lost, no slot left unreleased. (The step once went
     to the consumer before it confirmed, the dead one's slots after: "Chunk.seq: 1 after 3; replayed or out of
-    order", seq 3 announced twice and released twice, slots 1 and 2 never released; on the GPU a CreditTimeout.)"""
+    order", seq 3 announced twice and released twice, slots 1 and 2 never released; on the GPU a CreditTimeout.)
+    ``together``: the dead one got both slots in one message; the new one gets each again alone."""
+    monkeypatch.setattr(producer_module, "_SERVICE_S", 3600.0)  # held chunks go out only when the test says
     producer = make_producer(make_config(endpoint, policy="block", device=device))  # 4 slots of 8 rows
     requests = Requests("ab", device)
-    first = first_consumer_holding_a(tmp_path, endpoint, start_consumer, producer, requests)
+    first = first_consumer_holding_a(tmp_path, endpoint, start_consumer, producer, requests, sent == "together")
     written = producer.write_step(requests.states("b", 0), ["b"], [8])  # announced only after the death
     second, gate, log = second_consumer_held_before_confirming(tmp_path, endpoint, start_consumer, producer, first)
     gate.touch()  # it may confirm now; announcing reads no confirmation before it sends

@@ -240,15 +240,20 @@ class Consumer:
                 pass  # meant for a consumer before us; the producer re-announces after our layout
             elif isinstance(message, protocol.Chunk):
                 self._on_chunk(message, hash(data))
+            elif isinstance(message, protocol.Announcements):
+                self._on_announcements(message)
             elif isinstance(message, protocol.RequestFinished):
                 self._on_finished(message)
                 self.stats.requests_finished += 1
             elif isinstance(message, protocol.EndOfStream):
                 return self._on_end(message)
         except ProtocolError as exc:
-            self.stats.messages_rejected += 1
-            log.warning("rejected message on announce socket: %s", exc)
+            self._reject(exc)
         return False
+
+    def _reject(self, exc: ProtocolError) -> None:
+        self.stats.messages_rejected += 1
+        log.warning("rejected message on announce socket: %s", exc)
 
     def _on_layout(self, layout: protocol.Layout) -> None:
         if layout.consumer_id != self.consumer_id or layout.run_id == self.run_id:
@@ -312,7 +317,7 @@ class Consumer:
         elif now - self._refused_since > wait_s:
             raise AccessError(f"the producer at {self.config.endpoint} refused this consumer: {message.reason}")
 
-    def _on_chunk(self, chunk: protocol.Chunk, digest: int) -> None:
+    def _on_chunk(self, chunk: protocol.Chunk, digest: int, settle: bool = True) -> None:
         layout, ring = self._layout, self._ring
         assert layout is not None and ring is not None
         protocol.check_chunk(chunk, layout, self._row_bytes)
@@ -323,7 +328,7 @@ class Consumer:
             # (it ignored our releases meanwhile). A slot still being copied is released when its copy lands,
             # never before; one released already is released again.
             if not any(isinstance(e, _Copy) and (e.slot, e.seq) == (chunk.slot, chunk.seq) for e in self._pending):
-                self._send_release(chunk.slot, chunk.seq)
+                self._send_release([(chunk.slot, chunk.seq)])
             return
         self._last_seq = chunk.seq  # used, even if the chunk is refused below: it cannot be replayed
         self._announced[chunk.slot] = (chunk.seq, digest)
@@ -348,6 +353,21 @@ class Consumer:
         self.stats.rows += chunk.rows
         self.stats.rows_dropped = self._drops.reported(chunk.dropped_rows)
         self._ring_used_at_chunk, self._released_since_chunk = chunk.ring_slots_used, 0
+        if settle:
+            self._settle()
+
+    def _on_announcements(self, message: protocol.Announcements) -> None:
+        """Take each chunk as if it had come alone (its digest is of its own bytes); a bad one is rejected alone.
+        Copies that landed are settled once, after all: their slots go back in one release."""
+        for part in message.chunks:
+            data = bytes(part)
+            try:
+                chunk = protocol.decode_to_consumer(data)
+                if not isinstance(chunk, protocol.Chunk):
+                    raise ProtocolError(f"Announcements: holds a {type(chunk).__name__}; only chunks travel together")
+                self._on_chunk(chunk, hash(data), settle=False)
+            except ProtocolError as exc:
+                self._reject(exc)
         self._settle()
 
     def _reserve(self, rows: int) -> Reservation | None:
@@ -404,13 +424,14 @@ class Consumer:
             ring.complete()
         elif oldest and pending and isinstance(pending[0], _Copy):
             ring.wait(pending[0].token)
+        released: list[tuple[int, int]] = []  # sent in one message: one receive for the producer
         while pending:
             entry = pending[0]
             if isinstance(entry, _End):
                 assert self.store is not None
                 self.store.finish_request(entry.request_id, entry.finish)
             elif ring.done(entry.token):
-                self._send_release(entry.slot, entry.seq)
+                released.append((entry.slot, entry.seq))
                 self.stats.rows_released += entry.rows
                 if entry.reservation is not None:
                     assert self.store is not None
@@ -418,17 +439,23 @@ class Consumer:
                         entry.reservation, entry.request_ids, entry.request_rows, entry.positions, entry.token_ids
                     )
             else:
-                return
+                break
             pending.popleft()
+        if released:
+            self._send_release(released)
 
-    def _send_release(self, slot: int, seq: int) -> None:
-        log.debug("release slot %d seq %d", slot, seq)
-        release = protocol.Release(v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=slot, seq=seq)
-        self._released_since_chunk += 1
+    def _send_release(self, released: list[tuple[int, int]]) -> None:
+        """Release ``(slot, seq)`` pairs, oldest first, in one message."""
+        log.debug("release %s", released)
+        (slot, seq), more = released[0], released[1:]
+        message = protocol.Release(
+            v=protocol.PROTOCOL_VERSION, consumer_id=self.consumer_id, slot=slot, seq=seq, more=more
+        )
+        self._released_since_chunk += len(released)
         try:
-            self._release.send(protocol.encode(release), zmq.NOBLOCK)
+            self._release.send(protocol.encode(message), zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("producer gone; slot %d not released", slot)
+            log.warning("producer gone; slots %s not released", [s for s, _ in released])
 
     def _on_end(self, message: protocol.EndOfStream) -> bool:
         if message.run_id != self.run_id:

@@ -552,7 +552,7 @@ class SGLangCapture:
                 log.exception("hscapture: closing the producer (%s) failed", why)
 
 
-def _tokens(pending: _Pending) -> np.ndarray | array | None:
+def _tokens(pending: _Pending) -> np.ndarray | None:
     """``[R]`` token ids of a written forward's kept rows, from each request's host copy.
 
     A request's token at position ``p`` is ``(origin_input_ids + output_ids)[p]``. Returns None
@@ -565,7 +565,7 @@ def _tokens(pending: _Pending) -> np.ndarray | array | None:
         offsets = (pending.positions - pending.prompt_lens).tolist()
         if min(offsets) >= 0:
             try:
-                return array("q", [r.output_ids[k] for r, k in zip(pending.reqs, offsets)])
+                return np.frombuffer(array("q", [r.output_ids[k] for r, k in zip(pending.reqs, offsets)]), np.int64)
             except IndexError:  # not on the host yet, or past a request's end: the general path says which
                 pass
         firsts = pending.positions.tolist()

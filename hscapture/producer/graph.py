@@ -153,7 +153,8 @@ class GraphRingWriter:
     ) -> bool:
         """After replay: announce the first ``rows`` rows of the planned slot (host metadata only).
 
-        Returns False when the step was dropped (no credit under ``drop``).
+        Returns False when the step was dropped (no credit under ``drop``). The announcement may be
+        sent with later ones; a send that ``drop`` cannot make then counts its rows dropped.
         """
         if self._planned is None:
             self.producer.count_dropped(request_ids, request_rows)
@@ -162,7 +163,7 @@ class GraphRingWriter:
         if rows > self.batch_rows or sum(request_rows) != rows:
             raise ValueError(f"commit: {rows} rows ({sum(request_rows)} by request) for a batch of {self.batch_rows}")
         self.producer.counters.steps += 1
-        sent = self.producer.announce_written(
+        self.producer.announce_written(
             slot,
             rows,
             self.batch_rows,
@@ -171,9 +172,7 @@ class GraphRingWriter:
             np.asarray(positions, dtype=np.int64),
             np.asarray(token_ids, dtype=np.int64),
         )
-        if not sent:
-            self.producer.count_dropped(request_ids, request_rows)
-        return sent
+        return True
 
 
 class _StreamHandle:

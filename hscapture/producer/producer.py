@@ -20,8 +20,16 @@ Who calls what, and how often (habit of vLLM's KV connector base class):
   for the consumer to copy out what is in flight before the ring is freed.
 
 All socket work happens inline on the caller's thread: no thread, no lock, nothing that
-contends with the engine for the GIL between steps. :class:`NullProducer` has the same
-methods and does nothing, so call sites need no ``if capture_enabled``.
+contends with the engine for the GIL between steps. Its fixed cost per call (a ZeroMQ send is two
+socket calls, asking the control socket for messages a system call) would dominate a decode step,
+so it is not paid per step: announced chunks are held back and sent together in one
+:class:`~hscapture.protocol.Announcements` message, and the control socket (releases, hellos) is
+served with that send. Both happen when ``_SERVICE_S`` has passed since the last time, when
+``_FLUSH_CHUNKS`` chunks are held, when free slots run low, before a request's end or the end
+of stream is sent, before the producer waits, and on :meth:`Producer.poll`. Only the delay
+changes: seq order, a request's end after its rows, and drop counting are as for one message
+per chunk. :class:`NullProducer` has the same methods and does nothing, so call sites need no
+``if capture_enabled``.
 """
 
 from __future__ import annotations
@@ -62,6 +70,11 @@ _TAKEOVER_BEATS = 10
 _TAKEOVER_MIN_S = 2.0
 #: Slot views kept for reuse (per slot, row count and grouping of the states); cleared when full.
 _MAX_TARGETS = 1024
+#: Longest the producer goes, while steps run, without sending the chunks it holds and taking releases
+#: and hellos. A time gate cannot miss a message, it only delays it (a gate on the socket's ZMQ_FD did).
+_SERVICE_S = 0.004
+#: Chunks held back at most before they are sent (together, in one message).
+_FLUSH_CHUNKS = 16
 
 
 @dataclass
@@ -104,6 +117,18 @@ class WrittenStep:
     request_rows: Sequence[int]
     #: ``(slot, first kept row, rows)`` of each slot written, in row order; emptied when announced.
     slots: list[tuple[int, int, int]]
+
+
+class _Held(NamedTuple):
+    """A chunk encoded and its slot written, held back to be sent with others (see the module docstring)."""
+
+    slot: int
+    seq: int
+    rows: int
+    payload: bytes
+    #: The requests owning its rows (counted dropped if ``drop`` cannot send it).
+    request_ids: Sequence[str]
+    request_rows: Sequence[int]
 
 
 @dataclass
@@ -164,7 +189,9 @@ class Producer:
         self.token = config.token or (secrets.token_hex(16) if config.endpoint.startswith("ipc://") else "")
         self.counters = ProducerCounters()
         self._descriptions = list(tensor_descriptions)
-        self._num_tensors, self._dtype = config.num_tensors, config.torch_dtype  # read every step
+        # Read every step (the config's properties cost more than the work they stand for).
+        self._num_tensors, self._dtype = config.num_tensors, config.torch_dtype
+        self._row_bytes, self._rows_per_slot = config.row_bytes, config.rows_per_slot
         self._meta = {"config": config.to_dict(), **(meta or {})}
         self._sockets = ProducerSockets(config.endpoint, config.keys)  # refuses an untrusted directory before the ring
         try:
@@ -180,6 +207,9 @@ class Producer:
         self._free: deque[int] = deque(range(config.num_slots))
         self._in_flight: dict[int, _InFlight] = {}
         self._written: dict[int, int] = {}  # slot -> rows written by write_step, not announced yet
+        self._held: list[_Held] = []  # announced by the engine, not sent yet, oldest first
+        self._service_at = 0.0  # when the held chunks and the control socket are next served at the latest
+        self._low_slots = max(1, config.num_slots // 4)  # at this many free slots or fewer: serve at once
         self._owners: _Owners | None = None
         self._seq = itertools.count(1)
         self._request_drops: dict[str, int] = {}
@@ -214,7 +244,8 @@ class Producer:
         token_ids: np.ndarray | torch.Tensor | Sequence[int],
         row_index: torch.Tensor | None = None,
     ) -> int:
-        """Capture one forward step's rows; returns how many rows were announced.
+        """Capture one forward step's rows; returns how many rows were announced (sent, or held to be
+        sent with the next ones: a send that ``drop`` cannot make later counts them dropped).
 
         Args:
             states: the captured tensors in ``config.tensor_names`` order, in ``config.dtype``,
@@ -278,7 +309,8 @@ class Producer:
         positions: np.ndarray | torch.Tensor | Sequence[int],
         token_ids: np.ndarray | torch.Tensor | Sequence[int],
     ) -> int:
-        """Announce a step made by :meth:`write_step`; returns how many rows were announced.
+        """Announce a step made by :meth:`write_step`; returns how many rows were announced (as for
+        :meth:`capture_step`: sent, or held to be sent with the next ones).
 
         Call it once per written step, in the order the steps were written, and before
         :meth:`finish_request` of any request that owns rows in it.
@@ -299,7 +331,7 @@ class Producer:
             positions = _as_int64(positions, step.rows, "positions")
             token_ids = _as_int64(token_ids, step.rows, "token_ids")
         except ValueError:
-            self._unwrite(step, 0)
+            self._unwrite(step)
             raise
         return self._announce_step(step, positions, token_ids)
 
@@ -312,13 +344,12 @@ class Producer:
         row_index: torch.Tensor | None,
         rows: int,
     ) -> WrittenStep:
-        config = self.config
         self.counters.steps += 1
-        self._drain_control()
+        self._serve_when_due()
         slots: list[tuple[int, int, int]] = []
         begin = 0
         while begin < rows:
-            count = min(config.rows_per_slot, rows - begin)
+            count = min(self._rows_per_slot, rows - begin)
             slot = self._acquire_slot()
             if slot is None:
                 self._count_drop(request_ids, request_rows, begin, rows)
@@ -331,24 +362,24 @@ class Producer:
         return WrittenStep(self.counters.steps, rows, begin, request_ids, request_rows, slots)
 
     def _announce_step(self, step: WrittenStep, positions: np.ndarray, token_ids: np.ndarray) -> int:
-        for done, (slot, begin, count) in enumerate(step.slots):
+        for slot, begin, count in step.slots:
             end = begin + count
             ids, counts = _spans(step.request_ids, step.request_rows, begin, end, step.rows)
-            if not self._send_chunk(slot, count, 0, ids, counts, positions[begin:end], token_ids[begin:end], step.step):
-                self._unwrite(step, done)
-                return begin
+            self._hold_chunk(slot, count, 0, ids, counts, positions[begin:end], token_ids[begin:end], step.step)
             del self._written[slot]
         step.slots = []
+        if len(self._held) >= _FLUSH_CHUNKS:
+            self._flush()
         return step.written
 
-    def _unwrite(self, step: WrittenStep, first: int) -> None:
-        """Free the slots of ``step`` from ``step.slots[first]`` on and count their rows dropped."""
+    def _unwrite(self, step: WrittenStep) -> None:
+        """Free the slots of ``step`` and count their rows dropped."""
         slots, step.slots = step.slots, []
-        for slot, _, _ in slots[first:]:
+        for slot, _, _ in slots:
             del self._written[slot]
             self._free.appendleft(slot)
-        if first < len(slots):
-            self._count_drop(step.request_ids, step.request_rows, slots[first][1], step.written)
+        if slots:
+            self._count_drop(step.request_ids, step.request_rows, 0, step.written)
 
     def announce_written(
         self,
@@ -359,21 +390,19 @@ class Producer:
         request_rows: Sequence[int],
         positions: np.ndarray,
         token_ids: np.ndarray,
-    ) -> bool:
+    ) -> None:
         """Announce a slot a graph replay wrote (see :class:`~hscapture.graph.GraphRingWriter`).
 
         The slot's event is recorded here, on the current stream, after the writes queued
-        there. Returns False when ``drop`` could not send (the slot is free again).
+        there. The chunk may be sent with later ones; a send ``drop`` cannot make counts its rows
+        dropped and frees the slot.
         """
         self.ring.mark_written(slot)
-        if self._send_chunk(
-            slot, rows, row_stride, request_ids, request_rows, positions, token_ids, self.counters.steps
-        ):
-            return True
-        self._free.appendleft(slot)
-        return False
+        self._hold_chunk(slot, rows, row_stride, request_ids, request_rows, positions, token_ids, self.counters.steps)
+        if len(self._held) >= _FLUSH_CHUNKS:
+            self._flush()
 
-    def _send_chunk(
+    def _hold_chunk(
         self,
         slot: int,
         rows: int,
@@ -383,8 +412,8 @@ class Producer:
         positions: np.ndarray,
         token_ids: np.ndarray,
         step: int,
-    ) -> bool:
-        """Send the chunk of a written slot whose event is recorded; False if ``drop`` could not send it."""
+    ) -> None:
+        """Encode the chunk of a written slot whose event is recorded, and hold it to be sent (:meth:`_flush`)."""
         config = self.config
         seq = next(self._seq)
         owners = self._owners
@@ -398,7 +427,7 @@ class Producer:
             step=step,
             slot=slot,
             offset=slot * config.slot_bytes,
-            nbytes=(row_stride or rows) * config.row_bytes,
+            nbytes=(row_stride or rows) * self._row_bytes,
             rows=rows,
             request_ids=ids,  # a list, or its encoded form (the same bytes on the wire)
             request_rows=counts,
@@ -406,20 +435,61 @@ class Producer:
             token_ids=protocol.pack_rows(token_ids),
             dropped_rows=self.counters.rows_dropped,
             row_stride=row_stride,
-            ring_slots_used=len(self._in_flight) + 1,
+            ring_slots_used=len(self._in_flight) + len(self._held) + 1,
         )
-        payload = protocol.encode(chunk)
-        if not self._send(payload):
-            return False
-        self._in_flight[slot] = _InFlight(seq, rows, payload, self._consumer_id or "")
-        self.counters.rows_captured += rows
-        self.counters.chunks_announced += 1
-        return True
+        self._held.append(_Held(slot, seq, rows, protocol.encode(chunk), request_ids, request_rows))
+
+    def _flush(self) -> None:
+        """Send the held chunks, oldest first, in one message; under ``drop`` a send that fails drops them all.
+
+        Each chunk's own bytes are kept as its slot's in-flight payload: a consumer that takes over
+        gets it again alone (:meth:`_confirm`), byte for byte what it would have found in the batch.
+        """
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        if len(held) == 1:
+            payload = held[0].payload
+        else:
+            batch = protocol.Announcements(v=protocol.PROTOCOL_VERSION, chunks=[msgspec.Raw(h.payload) for h in held])
+            payload = protocol.encode(batch)
+        try:
+            sent = self._send(payload)
+        except BaseException:  # block gave up waiting (or was stopped): the rows are lost, count them
+            self._drop_held(held)
+            raise
+        if not sent:
+            self._drop_held(held)
+            return
+        consumer = self._consumer_id or ""
+        in_flight = self._in_flight
+        for h in held:
+            in_flight[h.slot] = _InFlight(h.seq, h.rows, h.payload, consumer)
+            self.counters.rows_captured += h.rows
+        self.counters.chunks_announced += len(held)
+
+    def _drop_held(self, held: list[_Held]) -> None:
+        """Free the slots of chunks that were never sent and count their rows dropped."""
+        for h in held:
+            self._free.appendleft(h.slot)
+            self._count_drop(h.request_ids, h.request_rows, 0, h.rows)
+
+    def _serve_when_due(self) -> None:
+        """Serve the sockets when ``_SERVICE_S`` has passed or free slots run low (a clock read otherwise)."""
+        if len(self._free) <= self._low_slots or time.monotonic() >= self._service_at:
+            self._serve()
+
+    def _serve(self) -> None:
+        """Send the held chunks, then take releases and hellos."""
+        self._flush()
+        self._drain_control()
+        self._service_at = time.monotonic() + _SERVICE_S
 
     def acquire_slot(self) -> int | None:
         """A free slot to write (waits under ``block``; None under ``drop`` when none is free)."""
         self._check_open()
-        self._drain_control()
+        self._serve_when_due()
         return self._acquire_slot()
 
     def reserve_slot(self) -> int:
@@ -454,7 +524,7 @@ class Producer:
                 forwarded (a prefix-cache hit); the store takes their rows from the request that computed them.
         """
         self._check_open()
-        self._drain_control()
+        self._flush()  # its rows first
         message = protocol.RequestFinished(
             v=protocol.PROTOCOL_VERSION,
             request_id=request_id,
@@ -469,9 +539,9 @@ class Producer:
             self.counters.events_dropped += 1
 
     def poll(self) -> None:
-        """Answer attaching consumers and take releases; call when the engine is idle."""
+        """Send held chunks, answer attaching consumers and take releases; call when the engine is idle."""
         if not self._closed:
-            self._drain_control()
+            self._serve()
 
     def close(self, timeout_s: float = 30.0, error: str = "") -> ProducerCounters:
         """Announce the end of stream, wait up to ``timeout_s`` for in-flight slots, free the ring.
@@ -486,15 +556,20 @@ class Producer:
             self.counters.chunks_dropped += len(self._written)
             self._written.clear()
         try:
-            eos = protocol.EndOfStream(
-                v=protocol.PROTOCOL_VERSION, run_id=self.run_id, counters=self.counters.to_dict(), error=error
-            )
             self._drain_control()
             deadline = time.monotonic() + timeout_s
             while self._offered is not None and time.monotonic() < deadline:  # it opens the ring: let it confirm
                 if self._peer_pid and not pid_alive(self._peer_pid):
                     break  # it died opening it: nobody to end the stream to
                 self._wait_control()
+            if self._consumer_id is not None:
+                self._flush()
+            else:  # nobody to send them to, and no reason to wait for one
+                self._drop_held(self._held)
+                self._held = []
+            eos = protocol.EndOfStream(
+                v=protocol.PROTOCOL_VERSION, run_id=self.run_id, counters=self.counters.to_dict(), error=error
+            )
             if self._consumer_id is not None and self._send(protocol.encode(eos)):
                 while self._in_flight and time.monotonic() < deadline:
                     self._wait_control()
@@ -631,6 +706,9 @@ class Producer:
     def _acquire_slot(self) -> int | None:
         if self._free and self._consumer_id is not None:
             return self._free.popleft()
+        self._serve()  # releases not taken yet, held chunks the consumer could release, a hello that attaches
+        if self._free and self._consumer_id is not None:
+            return self._free.popleft()
         if self.config.policy == "drop":
             return None
         if not self._free and not self._in_flight:  # no release can come: waiting would never end
@@ -701,17 +779,27 @@ class Producer:
                 log.warning("rejected message on release socket: %s", exc)
 
     def _on_release(self, message: protocol.Release) -> None:
-        """Free a slot released by the consumer it was last announced to, with the seq it was announced with."""
-        flight = self._in_flight.get(message.slot)
-        if flight is None or flight.seq != message.seq or flight.consumer != message.consumer_id:
-            raise ProtocolError(
-                f"Release: slot {short_repr(message.slot)} seq {short_repr(message.seq)} from consumer "
-                f"{short_repr(message.consumer_id)} does not match a slot in flight (stale or forged)"
-            )
-        del self._in_flight[message.slot]
-        self._free.append(message.slot)
-        if message.consumer_id == self._consumer_id:
+        """Free each slot released by the consumer it was last announced to, with the seq it was announced with.
+
+        Raises:
+            ProtocolError: some pair matches no slot in flight (the others are freed; the message is counted rejected).
+        """
+        consumer, in_flight, bad = message.consumer_id, self._in_flight, []
+        for slot, seq in ((message.slot, message.seq), *message.more):
+            flight = in_flight.get(slot)
+            if flight is None or flight.seq != seq or flight.consumer != consumer:
+                bad.append((slot, seq))
+                continue
+            del in_flight[slot]
+            self._free.append(slot)
+        if consumer == self._consumer_id and len(bad) < 1 + len(message.more):  # some slot was its to release
             self._peer_heard = time.monotonic()
+        if bad:
+            (slot, seq), others = bad[0], f" (and {len(bad) - 1} more pairs)" if len(bad) > 1 else ""
+            raise ProtocolError(
+                f"Release: slot {short_repr(slot)} seq {short_repr(seq)} from consumer {short_repr(consumer)} "
+                f"does not match a slot in flight (stale or forged){others}"
+            )
 
     def _on_hello(self, message: protocol.Hello) -> None:
         """Attach one consumer at a time, in two steps: offer the layout, then hand out credit once it confirms.
@@ -891,6 +979,8 @@ def _spans(
 
 
 def _as_int64(values: np.ndarray | torch.Tensor | Sequence[int], rows: int, name: str) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.shape == (rows,):
+        return values  # what an engine adapter usually hands over: nothing to convert
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(

@@ -1,0 +1,101 @@
+"""Announcements held back and sent together (see ``hscapture.producer.producer``): the consumer gets every chunk, in
+seq order, before the end of a request that owns rows in them, at close, and once the time limit has passed on an
+engine that calls again or goes idle. A real consumer process writes the store."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hscapture import Producer, open_store
+from hscapture.producer import producer as producer_module
+from tests.conftest import ConsumerFactory, wait_attached
+from tests.workload import HIDDEN, NUM_TENSORS, make_config, make_producer
+
+
+class Decode:
+    """One-row decode steps of a few requests; remembers what each request was sent."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.seed = 0
+
+    def states(self, rids: list[str]) -> list[torch.Tensor]:
+        self.seed += 1
+        planes = torch.randn(NUM_TENSORS, len(rids), HIDDEN, generator=torch.Generator().manual_seed(self.seed))
+        for i, rid in enumerate(rids):
+            self.rows.setdefault(rid, []).append(planes[:, i])
+        return list(planes)
+
+    def meta(self, rids: list[str]) -> tuple[list[int], list[int]]:
+        positions = [len(self.tokens.setdefault(rid, [])) for rid in rids]
+        tokens = [100 * (ord(rid) - ord("a") + 1) + p for rid, p in zip(rids, positions)]
+        for rid, token in zip(rids, tokens):
+            self.tokens[rid].append(token)
+        return positions, tokens
+
+    def step(self, producer: Producer, rids: list[str]) -> int:
+        return producer.capture_step(self.states(rids), rids, [1] * len(rids), *self.meta(rids))
+
+    def check(self, out: Path, unfinished: str = "") -> None:
+        """Every row stored once, in order, bitwise as sent."""
+        store = open_store(out)
+        for rid, rows in self.rows.items():
+            assert store.record(rid)["status"] == ("incomplete" if rid in unfinished else "complete"), rid
+            sample = store.get(rid)
+            assert sample["positions"].tolist() == list(range(len(rows))), rid
+            assert sample["input_ids"].tolist() == self.tokens[rid], rid
+            for t, name in enumerate(store.tensor_names):
+                assert torch.equal(sample[name], torch.stack([row[t] for row in rows])), (rid, name)
+
+
+def test_held_chunks_reach_the_consumer_in_order_before_a_request_end_and_at_close(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(producer_module, "_SERVICE_S", 3600.0)  # no time limit: only the events under test send
+    log = tmp_path / "consumer.log"
+    consumer = start_consumer(tmp_path / "store", endpoint, "--exit-on-eos", log=log)
+    producer = make_producer(make_config(endpoint, policy="drop", slots=16))
+    wait_attached(producer)
+    decode = Decode()
+    for _ in range(3):
+        assert decode.step(producer, ["a", "b"]) == 2
+    assert producer.counters.chunks_announced == 0, "sent at once, not held"
+    producer.finish_request("a", num_tokens=3)
+    assert producer.counters.chunks_announced == 3, "the end of a request went out before its rows"
+    for _ in range(2):
+        decode.step(producer, ["b"])
+    assert producer.counters.chunks_announced == 3
+    counters = producer.close()
+    assert counters.chunks_announced == 5 and counters.rows_captured == 8
+    assert counters.rows_dropped == counters.chunks_dropped == counters.events_dropped == 0
+    assert consumer.wait(30) == 0
+    assert "rejected" not in log.read_text(), log.read_text()[-3000:]
+    decode.check(tmp_path / "store", unfinished="b")
+
+
+def test_a_chunk_held_goes_out_once_the_time_limit_has_passed_or_the_engine_polls(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    producer = make_producer(make_config(endpoint, policy="block", slots=16))
+    wait_attached(producer)
+    decode = Decode()
+    decode.step(producer, ["a"])
+    assert producer.counters.chunks_announced == 0
+    time.sleep(2 * producer_module._SERVICE_S)  # lets the limit pass; nothing here depends on how long it took
+    written = producer.write_step(decode.states(["a"]), ["a"], [1])  # the engine's next forward
+    assert producer.counters.chunks_announced == 1, "a chunk held past the time limit was not sent"
+    producer.announce_step(written, *decode.meta(["a"]))
+    assert producer.counters.chunks_announced == 1
+    producer.poll()  # what an idle engine calls
+    assert producer.counters.chunks_announced == 2, "a chunk held on an idle engine was not sent"
+    producer.finish_request("a", num_tokens=2)
+    counters = producer.close()
+    assert counters.rows_captured == 2 and counters.rows_dropped == 0
+    assert consumer.wait(30) == 0
+    decode.check(tmp_path)
