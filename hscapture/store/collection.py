@@ -29,7 +29,7 @@ import torch
 
 from hscapture.errors import StoreError
 from hscapture.partition import Part, coverage
-from hscapture.store.format import META_FILE
+from hscapture.store.format import META_FILE, shared_rows
 from hscapture.store.reader import Store
 from hscapture.store.verify import ShardCheck, VerifyReport, format_report, verify_store
 
@@ -192,8 +192,11 @@ class StoreSet:
             "complete": sum(r["status"] == "complete" for r in records),
             "incomplete": sum(r["status"] != "complete" for r in records),
             "rows": sum(r["rows"] for r in records),
+            "rows_shared": sum(shared_rows(r) for r in records),
+            "requests_sharing": sum("shared" in r for r in records),
             "shards": sum(p["shards"] for p in parts),
             "bytes": sum(p["bytes"] for p in parts),
+            "bytes_shared": sum(p["bytes_shared"] for p in parts),
             "rows_dropped": sum(p["rows_dropped"] for p in parts),
             "runs": sum(p["runs"] for p in parts),
             "parts": len(self.parts),
