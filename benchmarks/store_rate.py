@@ -48,6 +48,7 @@ from hscapture.config import MiB
 from hscapture.consumer import consume_command
 from hscapture.fp8 import FP8, quantize_into
 from hscapture.integrations.hf import describe
+from hscapture.store.checksum import RowCrcs
 
 GiB = 1 << 30
 #: The goal: the store writes at this fraction of the raw disk rate or better.
@@ -354,8 +355,9 @@ def device_fp8_cost(device: torch.device, hidden: int, slot_mib: int, repeats: i
     """The consumer's GPU quantization of one slot of rows, beside a device copy and the copies to the host.
 
     Times, with CUDA events on one stream (medians of ``repeats``): :func:`~hscapture.fp8.quantize_into`
-    of a ``[tensors, rows, hidden]`` bf16 slot into codes, scales and counts; a device-to-device copy of
-    the slot; the copy of the slot to pinned host memory, and of its codes and scales.
+    of a ``[tensors, rows, hidden]`` bf16 slot into codes, scales and counts; the CRC-32 of each row of
+    codes (:class:`~hscapture.store.checksum.RowCrcs`); a device-to-device copy of the slot; the copy of
+    the slot to pinned host memory, and of its codes and scales.
     """
     tensors = len(LAYERS) + 1
     rows = slot_mib * MiB // (tensors * hidden * 2)
@@ -382,11 +384,15 @@ def device_fp8_cost(device: torch.device, hidden: int, slot_mib: int, repeats: i
         return round(statistics.median(times), 1)
 
     quantize = timed(lambda: quantize_into(slot, codes, scales, counts))
+    checksum = RowCrcs(hidden, tensors * rows, device)
+    crcs = torch.empty(tensors * rows, dtype=torch.int32, device=device)
+    row_crcs = timed(lambda: checksum(codes.view(torch.uint8).view(-1, hidden), crcs))
     to_host_rows = timed(lambda: host_rows.copy_(slot, non_blocking=True))
     to_host_fp8 = timed(lambda: (host_codes.copy_(codes, non_blocking=True), host_scales.copy_(scales, True)))
     return {
         "slot": f"[{tensors}, {rows}, {hidden}] bf16, {slot.nbytes / MiB:.0f} MiB",
         "quantize_us": quantize,
+        "row_crcs_us": row_crcs,
         "device_copy_us": timed(lambda: copy.copy_(slot)),
         "to_host_rows_us": to_host_rows,
         "to_host_fp8_us": to_host_fp8,
@@ -474,7 +480,8 @@ def table(record: dict[str, Any]) -> str:
     if cost:
         lines.append(
             f"\nfp8 on the GPU, per slot {cost['slot']}: quantize {cost['quantize_us']} us "
-            f"({cost['quantize_gbps_of_rows']} GB/s of rows), device copy {cost['device_copy_us']} us; to the host: "
+            f"({cost['quantize_gbps_of_rows']} GB/s of rows), row CRCs {cost.get('row_crcs_us', '-')} us, "
+            f"device copy {cost['device_copy_us']} us; to the host: "
             f"rows {cost['to_host_rows_us']} us, codes + scales {cost['to_host_fp8_us']} us."
         )
     return "\n".join(lines)

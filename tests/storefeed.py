@@ -16,6 +16,7 @@ import torch
 
 from hscapture.config import DTYPES
 from hscapture.fp8 import FP8, quantize_into
+from hscapture.store.checksum import RowCrcs
 from hscapture.store.records import Finish
 from hscapture.store.writer import RowGeometry, StoreWriter
 
@@ -55,9 +56,9 @@ def write_rows(
 ) -> bool:
     """Reserve ``rows.shape[1]`` rows, copy ``rows`` (``[tensors, n, hidden]``) into them, commit.
 
-    Into a run whose rows arrive quantized, copy their codes, scales and non-finite counts
-    (from :func:`hscapture.fp8.quantize_into`, as the consumer of a GPU ring makes them).
-    Returns whether they were.
+    Into a run whose rows arrive quantized, copy their codes, scales, non-finite counts and row
+    CRCs (from :func:`hscapture.fp8.quantize_into` and :class:`RowCrcs`, as the consumer of a GPU
+    ring makes them). Returns whether they were.
     """
     count = rows.shape[1]
     reservation = writer.reserve(count)
@@ -68,12 +69,16 @@ def write_rows(
         scales = torch.empty(rows.shape[:2], dtype=torch.float32)
         nonfinite = torch.empty(rows.shape[:2], dtype=torch.int32)
         quantize_into(rows, codes, scales, nonfinite)
-        arrays = [codes.view(torch.uint8).numpy(), scales.numpy(), nonfinite.numpy()]
+        crcs = torch.empty(rows.shape[:2], dtype=torch.int32)
+        checksum = RowCrcs(rows.shape[2], count, torch.device("cpu"))
+        for t in range(rows.shape[0]):
+            checksum(codes[t].view(torch.uint8), crcs[t])
+        arrays = [codes.view(torch.uint8).numpy(), scales.numpy(), nonfinite.numpy(), crcs.numpy()]
     else:
         arrays = [rows.contiguous().view(torch.uint8).numpy()]  # [tensors, n, hidden * itemsize]
     begin = 0
     for piece in reservation.pieces:
-        for source, destinations in zip(arrays, (piece.planes, piece.scales, piece.nonfinite)):
+        for source, destinations in zip(arrays, (piece.planes, piece.scales, piece.nonfinite, piece.crcs)):
             for t, destination in enumerate(destinations):
                 destination[:] = source[t, begin : begin + piece.rows]
         begin += piece.rows

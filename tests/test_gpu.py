@@ -14,6 +14,7 @@ from hscapture import CaptureConfig, HSCaptureError, Producer, open_store
 from hscapture.consumer import consume_command
 from hscapture.fp8 import quantize_into, quantize_rows
 from hscapture.ring.cuda import CudaRingReader
+from hscapture.store.checksum import RowCrcs, row_crcs
 from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.storefeed import special_rows
@@ -181,6 +182,29 @@ def test_the_fused_fp8_kernel_gives_the_cpu_quantizers_bits_for_every_bf16_value
         assert torch.equal(scales[t].cpu(), want_scales), t
         want_counts = (~torch.isfinite(rows[t].float())).sum(-1).to(torch.int32)
         assert torch.equal(nonfinite[t].cpu(), want_counts), t
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("width", [256, 4096, 7168])
+def test_row_crcs_on_the_gpu_equal_zlib_without_a_sync(width: int) -> None:
+    """The consumer's CRCs of fp8 rows, computed on the GPU next to them, are zlib's, with no host read."""
+    rng = np.random.default_rng(width)
+    rows = rng.integers(0, 256, (300, width), dtype=np.uint8)
+    rows[0], rows[1] = 0, 255
+    checksum = RowCrcs(width, 300, torch.device("cuda"))
+    device_rows = torch.from_numpy(rows).cuda()
+    out = torch.empty(300, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        checksum(device_rows, out)
+        checksum(device_rows[:5], out[300 - 5 :])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    got = out.cpu().numpy().view(np.uint32)
+    assert np.array_equal(got[: 300 - 5], row_crcs(rows)[: 300 - 5])
+    assert np.array_equal(got[300 - 5 :], row_crcs(rows[:5]))
 
 
 @pytest.mark.gpu

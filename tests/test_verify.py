@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from hscapture.errors import StoreError
-from hscapture.store.checksum import crc32_combine
+from hscapture.store.checksum import RowCrcs, crc32_combine, row_crcs
 from hscapture.store.format import encode_line
 from hscapture.store.records import Finish
 from hscapture.store.verify import BLOCK_BYTES, ShardCheck, VerifyReport, format_report, verify_store
@@ -167,6 +167,23 @@ def test_crc32_combine_equals_zlib_over_the_concatenation() -> None:
         a = rng.integers(0, 256, size_a, dtype=np.uint8).tobytes()
         b = rng.integers(0, 256, size_b, dtype=np.uint8).tobytes()
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b), (size_a, size_b)
+
+
+@pytest.mark.parametrize("width", [1, 8, 64, 4096])
+def test_row_crcs_as_a_matrix_product_equal_zlib(width: int) -> None:
+    """:class:`RowCrcs` (what the consumer of a GPU ring computes next to the rows, here on the CPU) gives
+    zlib's CRC-32 of each row: random rows, all zeros, all ones, a single bit; fewer rows than it holds."""
+    rng = np.random.default_rng(width)
+    rows = rng.integers(0, 256, (40, width), dtype=np.uint8)
+    rows[0], rows[1], rows[2] = 0, 255, 0
+    rows[2, -1] = 0x80
+    checksum = RowCrcs(width, 40, torch.device("cpu"))
+    for n in (40, 3):
+        out = torch.empty(n, dtype=torch.int32)
+        checksum(torch.from_numpy(rows[:n]), out)
+        assert np.array_equal(out.numpy().view(np.uint32), row_crcs(rows[:n])), n
+    with pytest.raises(ValueError, match=rf"RowCrcs: rows \(41, {width}\) torch.uint8; want \[<= 40, {width}\] uint8"):
+        checksum(torch.zeros(41, width, dtype=torch.uint8), torch.empty(41, dtype=torch.int32))
 
 
 def test_shard_checksums_of_bytes_with_gaps_and_empty_tensors(tmp_path: Path) -> None:

@@ -4,12 +4,16 @@ For an fp8 store fed from a CUDA ring, the consumer quantizes each chunk where i
 are. On the ring reader's stream, after :meth:`~hscapture.ring.cuda.CudaRingReader.begin` and
 before the mark the slot is released on, each block of the slot's ``[tensors, rows, hidden]`` rows
 is quantized into a device staging buffer (:func:`hscapture.fp8.quantize_into`, bit for bit what
-the store's writer threads would store), and its codes, scales and non-finite counts are copied
-into the rows the store reserved. The engine's stream never waits for any of it: the slot's rows
+the store's writer threads would store), each row of codes gets its CRC-32 there too
+(:class:`~hscapture.store.checksum.RowCrcs`: a writer thread checksumming 4 KiB rows holds the
+GIL, which stalled this process's main thread), and its codes, scales, non-finite counts and CRCs
+are copied into the rows the store reserved. A CRC made before the copy out also catches a copy
+that went wrong. The engine's stream never waits for any of it: the slot's rows
 are read after the producer's event, on the consumer's own stream, as the plain copy out did.
 
 Cost, for bf16 rows: one kernel per slot (``csrc/quantize_fp8.cu``, compiled with NVRTC: each
-row read twice, its codes written once) and ``3 x tensors`` small copies. The torch path it falls
+row read twice, its codes written once), six small kernels for the CRCs (an int8 matrix product
+of the codes' bits) and ``4 x tensors`` small copies. The torch path it falls
 back to (other dtypes, or no NVRTC) is about ten elementwise kernels per block of up to
 :data:`~hscapture.fp8.BLOCK_ELEMENTS` values, ~18 bytes of device memory traffic per byte of rows,
 and competes with the engine for the GPU: the extract benchmark's fp8 run paid ~4 % of its time
@@ -28,6 +32,7 @@ import torch
 
 from hscapture.fp8 import BLOCK_ELEMENTS, FP8, quantize_into
 from hscapture.ring.cuda import CudaRingReader
+from hscapture.store.checksum import RowCrcs
 from hscapture.store.writer import Reservation
 
 log = logging.getLogger(__name__)
@@ -73,6 +78,8 @@ class DeviceQuantizer:
         self._codes = torch.empty(*shape, hidden, dtype=FP8, device=self._device)
         self._scales = torch.empty(shape, dtype=torch.float32, device=self._device)
         self._nonfinite = torch.empty(shape, dtype=torch.int32, device=self._device)
+        self._crcs = torch.empty(shape, dtype=torch.int32, device=self._device)
+        self._checksum = RowCrcs(hidden, tensors * self._block_rows, self._device)
 
     def copy(self, offset: int, rows: int, row_stride: int, reservation: Reservation) -> None:
         """Queue the quantization of the slot at ``offset`` (``[tensors, row_stride, hidden]``, the first
@@ -87,8 +94,11 @@ class DeviceQuantizer:
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             for low in range(0, rows, self._block_rows):
                 high = min(rows, low + self._block_rows)
-                codes, scales, counts = (a[:, : high - low] for a in (self._codes, self._scales, self._nonfinite))
+                staging = (self._codes, self._scales, self._nonfinite, self._crcs)
+                codes, scales, counts, crcs = (a[:, : high - low] for a in staging)
                 self._quantize(slot[:, low:high], row_stride, codes, scales, counts)
+                # every staging row, [tensors * block_rows]: one shape, so one product plan; unused rows cost nothing
+                self._checksum(self._codes.view(torch.uint8).view(-1, hidden), self._crcs.view(-1))
                 for start, piece in zip(starts, reservation.pieces):
                     a, b = max(low, start), min(high, start + piece.rows)
                     if a >= b:
@@ -98,6 +108,7 @@ class DeviceQuantizer:
                         ring.copy_from_device(codes[t, staged], piece.planes[t][reserved])
                         ring.copy_from_device(scales[t, staged], piece.scales[t][reserved])
                         ring.copy_from_device(counts[t, staged], piece.nonfinite[t][reserved])
+                        ring.copy_from_device(crcs[t, staged], piece.crcs[t][reserved])
 
     def _quantize(
         self, rows: torch.Tensor, row_stride: int, codes: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor

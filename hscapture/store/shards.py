@@ -71,18 +71,19 @@ class ShardBuffer:
     positions: np.ndarray
     token_ids: np.ndarray
     request_index: np.ndarray
-    #: Rows that arrive quantized only: per tensor, each row's float32 scale and int32 count of
-    #: non-finite values (empty otherwise).
+    #: Rows that arrive quantized only: per tensor, each row's float32 scale, int32 count of
+    #: non-finite values and CRC-32 of its codes (uint32 bits in an int32; empty otherwise).
     scales: list[np.ndarray] = field(default_factory=list)
     nonfinite: list[np.ndarray] = field(default_factory=list)
+    row_crcs: list[np.ndarray] = field(default_factory=list)
 
     @property
     def quantized(self) -> bool:
         return bool(self.scales)
 
-    def arrays(self) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
-        """What a caller copies rows into: the planes, and for quantized rows the scales and counts."""
-        return self.planes, self.scales, self.nonfinite
+    def arrays(self) -> tuple[list[np.ndarray], ...]:
+        """What a caller copies rows into: the planes, and for quantized rows the scales, counts and CRCs."""
+        return self.planes, self.scales, self.nonfinite, self.row_crcs
 
 
 def new_buffer(
@@ -91,9 +92,9 @@ def new_buffer(
     """A shard buffer of ``capacity`` rows; ``allocate(nbytes)`` gives the uint8 memory rows are copied into.
 
     With ``quantized``, ``plane_row_bytes`` is the hidden size (one byte per code) and the buffer
-    also holds each row's scale and non-finite count, per tensor.
+    also holds each row's scale, non-finite count and CRC-32, per tensor.
     """
-    side = allocate(2 * tensors * capacity * 4).reshape(2, tensors, capacity * 4) if quantized else None
+    side = allocate(3 * tensors * capacity * 4).reshape(3, tensors, capacity * 4) if quantized else None
     return ShardBuffer(
         planes=[allocate(capacity * plane_row_bytes).reshape(capacity, plane_row_bytes) for _ in range(tensors)],
         positions=np.empty(capacity, dtype=np.int64),
@@ -101,6 +102,7 @@ def new_buffer(
         request_index=np.empty(capacity, dtype=np.int32),
         scales=[] if side is None else [plane.view(np.float32) for plane in side[0]],
         nonfinite=[] if side is None else [plane.view(np.int32) for plane in side[1]],
+        row_crcs=[] if side is None else [plane.view(np.int32) for plane in side[2]],
     )
 
 
@@ -168,7 +170,10 @@ def write_shard(root: Path, spec: ShardSpec, buffer: ShardBuffer, mode: int = PR
         for name, _, _ in layout:
             if name in planes:
                 column = spec.names.index(name)
-                if buffer.quantized or not spec.fp8:
+                if buffer.quantized:  # each row's CRC came with it
+                    table[:, column] = buffer.row_crcs[column][:n].view(np.uint32)
+                    out.write(offsets[name], _bytes(planes[name][:n]), checksum=False)
+                elif not spec.fp8:
                     table[:, column] = out.write_rows(offsets[name], planes[name][:n])
                 else:
                     rows = torch.from_numpy(planes[name][:n]).view(spec.dtype)
@@ -217,12 +222,14 @@ class _Output:
         self._unflushed = 0
         self._low, self._high = 0, 0
 
-    def write(self, offset: int, data: memoryview) -> int:
-        """Write ``data`` at ``offset`` in blocks, each checksummed just before it goes; returns the CRC-32."""
+    def write(self, offset: int, data: memoryview, checksum: bool = True) -> int:
+        """Write ``data`` at ``offset`` in blocks, each checksummed just before it goes (unless not
+        ``checksum``: its rows' CRCs are known); returns the CRC-32 (0 without ``checksum``)."""
         crc = 0
         for begin in range(0, len(data), BLOCK_BYTES):
             block = data[begin : begin + BLOCK_BYTES]
-            crc = zlib.crc32(block, crc)
+            if checksum:
+                crc = zlib.crc32(block, crc)
             self._put(offset + begin, block)
         return crc
 

@@ -105,17 +105,19 @@ class Rows:
     """Reserved rows in one shard: copy each tensor's bytes into ``planes[t]``, then commit.
 
     In a run whose rows arrive quantized (``begin_run(..., quantized=True)``), copy each tensor's
-    fp8 codes into ``planes[t]``, each row's scale into ``scales[t]`` and its count of non-finite
-    values into ``nonfinite[t]``.
+    fp8 codes into ``planes[t]``, each row's scale into ``scales[t]``, its count of non-finite
+    values into ``nonfinite[t]`` and the CRC-32 of its codes into ``crcs[t]`` (what
+    :class:`~hscapture.store.checksum.RowCrcs` computes where the codes are).
     """
 
     #: One ``[rows, hidden * itemsize]`` uint8 view per tensor, in geometry order (``[rows, hidden]``
     #: codes when quantized).
     planes: list[np.ndarray]
-    #: Quantized rows only: one ``[rows]`` float32 view per tensor for the scales, and one ``[rows]``
-    #: int32 view for the non-finite counts (empty otherwise).
+    #: Quantized rows only: one ``[rows]`` float32 view per tensor for the scales, one ``[rows]``
+    #: int32 view for the non-finite counts and one for the CRC-32s (uint32 bits; empty otherwise).
     scales: list[np.ndarray]
     nonfinite: list[np.ndarray]
+    crcs: list[np.ndarray]
     rows: int
     _shard: _Shard
     _start: int
@@ -275,8 +277,9 @@ class StoreWriter:
             allocate: host memory for shard buffers allocated from now on (e.g. pinned memory a
                 device copies into fastest); by default pageable numpy memory.
             quantized: the caller hands in rows already quantized (fp8 codes, scales and non-finite
-                counts, bit for bit what :func:`hscapture.fp8.quantize_rows` gives; see :class:`Rows`),
-                e.g. quantized on the GPU before the copy out. Only in an fp8 store.
+                counts, bit for bit what :func:`hscapture.fp8.quantize_rows` gives, and each row's
+                CRC-32; see :class:`Rows`), e.g. quantized on the GPU before the copy out. Only in an
+                fp8 store.
 
         Raises:
             StoreError: the store holds other tensors.
@@ -367,8 +370,8 @@ class StoreWriter:
             shard = self._open_shard(run)
             count = min(left, run.rows_per_shard - shard.reserved)
             at, buffer = shard.reserved, shard.buffer
-            planes, scales, nonfinite = ([a[at : at + count] for a in arrays] for arrays in buffer.arrays())
-            pieces.append(Rows(planes, scales, nonfinite, count, shard, at))
+            planes, scales, nonfinite, crcs = ([a[at : at + count] for a in arrays] for arrays in buffer.arrays())
+            pieces.append(Rows(planes, scales, nonfinite, crcs, count, shard, at))
             shard.reserved += count
             left -= count
             if shard.reserved == run.rows_per_shard:
