@@ -34,6 +34,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,9 @@ from benchmarks.report import Outcome, SuiteSpec
 from hscapture import CaptureConfig, Producer
 from hscapture.config import MiB
 from hscapture.consumer import consume_command
+from hscapture.consumer.device_fp8 import crc_kernel
 from hscapture.fp8 import FP8, quantize_into
 from hscapture.integrations.hf import describe
-from hscapture.store.checksum import RowCrcs
 
 GiB = 1 << 30
 #: The goal: the store writes at this fraction of the raw disk rate or better.
@@ -356,7 +357,7 @@ def device_fp8_cost(device: torch.device, hidden: int, slot_mib: int, repeats: i
 
     Times, with CUDA events on one stream (medians of ``repeats``): :func:`~hscapture.fp8.quantize_into`
     of a ``[tensors, rows, hidden]`` bf16 slot into codes, scales and counts; the CRC-32 of each row of
-    codes (:class:`~hscapture.store.checksum.RowCrcs`); a device-to-device copy of the slot; the copy of
+    codes (``csrc/crc32_rows.cu``); a device-to-device copy of the slot; the copy of
     the slot to pinned host memory, and of its codes and scales.
     """
     tensors = len(LAYERS) + 1
@@ -384,9 +385,11 @@ def device_fp8_cost(device: torch.device, hidden: int, slot_mib: int, repeats: i
         return round(statistics.median(times), 1)
 
     quantize = timed(lambda: quantize_into(slot, codes, scales, counts))
-    checksum = RowCrcs(hidden, tensors * rows, device)
     crcs = torch.empty(tensors * rows, dtype=torch.int32, device=device)
-    row_crcs = timed(lambda: checksum(codes.view(torch.uint8).view(-1, hidden), crcs))
+    kernel = crc_kernel()  # on the default stream, as the events
+    args = (np.uint64(codes.data_ptr()), np.int64(hidden), np.int64(rows * hidden), np.int32(hidden))
+    args += (np.uint64(crcs.data_ptr()), np.int32(rows), np.uint32(zlib.crc32(bytes(hidden))))
+    row_crcs = timed(lambda: kernel((rows, tensors), (256,), args)) if kernel is not None else None
     to_host_rows = timed(lambda: host_rows.copy_(slot, non_blocking=True))
     to_host_fp8 = timed(lambda: (host_codes.copy_(codes, non_blocking=True), host_scales.copy_(scales, True)))
     return {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -186,25 +187,38 @@ def test_the_fused_fp8_kernel_gives_the_cpu_quantizers_bits_for_every_bf16_value
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("width", [256, 4096, 7168])
+@pytest.mark.parametrize("width", [1, 256, 4096, 7168])
 def test_row_crcs_on_the_gpu_equal_zlib_without_a_sync(width: int) -> None:
-    """The consumer's CRCs of fp8 rows, computed on the GPU next to them, are zlib's, with no host read."""
+    """The CRCs of fp8 rows the consumer computes on the GPU next to them, by the kernel
+    (``csrc/crc32_rows.cu``) and by its torch fallback, are zlib's; neither reads the device on the host."""
+    cupy = pytest.importorskip("cupy")
+    from hscapture.consumer.device_fp8 import crc_kernel
+
+    kernel = crc_kernel()
+    assert kernel is not None, "the kernel did not compile (see the log)"
     rng = np.random.default_rng(width)
-    rows = rng.integers(0, 256, (300, width), dtype=np.uint8)
-    rows[0], rows[1] = 0, 255
-    checksum = RowCrcs(width, 300, torch.device("cuda"))
+    rows = rng.integers(0, 256, (2, 300, width), dtype=np.uint8)  # [tensors, rows, width]
+    rows[0, 0], rows[1, 1] = 0, 255
+    want = np.stack([row_crcs(plane) for plane in rows])
     device_rows = torch.from_numpy(rows).cuda()
-    out = torch.empty(300, dtype=torch.int32, device="cuda")
+    by_kernel = torch.zeros(2, 300, dtype=torch.int32, device="cuda")
+    by_torch = torch.zeros(2, 300, dtype=torch.int32, device="cuda")
+    checksum = RowCrcs(width, 300, torch.device("cuda"))
+    args = (np.uint64(device_rows.data_ptr()), np.int64(width), np.int64(300 * width), np.int32(width))
+    args += (np.uint64(by_kernel.data_ptr()), np.int32(300), np.uint32(zlib.crc32(bytes(width))))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        checksum(device_rows, out)
-        checksum(device_rows[:5], out[300 - 5 :])
+        with cupy.cuda.Device(0):
+            kernel((297, 2), (256,), args)  # the last three rows of each tensor left out
+        for t in range(2):
+            checksum(device_rows[t], by_torch[t])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    got = out.cpu().numpy().view(np.uint32)
-    assert np.array_equal(got[: 300 - 5], row_crcs(rows)[: 300 - 5])
-    assert np.array_equal(got[300 - 5 :], row_crcs(rows[:5]))
+    torch.cuda.synchronize()
+    got = by_kernel.cpu().numpy().view(np.uint32)
+    assert np.array_equal(got[:, :297], want[:, :297]) and not got[:, 297:].any()
+    assert np.array_equal(by_torch.cpu().numpy().view(np.uint32), want)
 
 
 @pytest.mark.gpu

@@ -12,8 +12,8 @@ that went wrong. The engine's stream never waits for any of it: the slot's rows
 are read after the producer's event, on the consumer's own stream, as the plain copy out did.
 
 Cost, for bf16 rows: one kernel per slot (``csrc/quantize_fp8.cu``, compiled with NVRTC: each
-row read twice, its codes written once), six small kernels for the CRCs (an int8 matrix product
-of the codes' bits) and ``4 x tensors`` small copies. The torch path it falls
+row read twice, its codes written once), one for the rows' CRCs (``csrc/crc32_rows.cu``) and
+``4 x tensors`` small copies. The torch path it falls
 back to (other dtypes, or no NVRTC) is about ten elementwise kernels per block of up to
 :data:`~hscapture.fp8.BLOCK_ELEMENTS` values, ~18 bytes of device memory traffic per byte of rows,
 and competes with the engine for the GPU: the extract benchmark's fp8 run paid ~4 % of its time
@@ -23,6 +23,7 @@ for it on an H200. The ``store`` suite measures the quantization beside a plain 
 from __future__ import annotations
 
 import logging
+import zlib
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -37,21 +38,31 @@ from hscapture.store.writer import Reservation
 
 log = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "quantize_fp8.cu"
-#: Threads per row (the kernel's THREADS).
+KERNELS = Path(__file__).resolve().parents[2] / "csrc"
+#: Threads per row (the kernels' THREADS).
 _THREADS = 256
 
 
 @cache
-def bf16_kernel() -> Any:
-    """The fused bf16 quantization kernel, compiled once per process; None where it cannot be."""
+def _kernel(source: str, name: str, fallback: str) -> Any:
+    """A kernel of ``csrc/<source>``, compiled once per process; None where it cannot be."""
     try:
         import cupy
 
-        return cupy.RawModule(code=KERNEL_SOURCE.read_text()).get_function("quantize_bf16_rows")
+        return cupy.RawModule(code=(KERNELS / source).read_text()).get_function(name)
     except Exception as exc:  # no NVRTC, or a compile error: the torch path is always there
-        log.warning("fp8 quantization kernel unavailable (%s); quantizing with torch kernels", exc)
+        log.warning("%s kernel unavailable (%s); %s with torch kernels", name, exc, fallback)
         return None
+
+
+def bf16_kernel() -> Any:
+    """The fused bf16 quantization kernel (``csrc/quantize_fp8.cu``); None where it cannot be compiled."""
+    return _kernel("quantize_fp8.cu", "quantize_bf16_rows", "quantizing")
+
+
+def crc_kernel() -> Any:
+    """The rows' CRC-32 kernel (``csrc/crc32_rows.cu``); None where it cannot be compiled."""
+    return _kernel("crc32_rows.cu", "crc32_rows", "checksumming")
 
 
 class DeviceQuantizer:
@@ -79,7 +90,9 @@ class DeviceQuantizer:
         self._scales = torch.empty(shape, dtype=torch.float32, device=self._device)
         self._nonfinite = torch.empty(shape, dtype=torch.int32, device=self._device)
         self._crcs = torch.empty(shape, dtype=torch.int32, device=self._device)
-        self._checksum = RowCrcs(hidden, tensors * self._block_rows, self._device)
+        self._crc_kernel = crc_kernel()
+        self._zero_crc = np.uint32(zlib.crc32(bytes(hidden)))
+        self._checksum = None if self._crc_kernel else RowCrcs(hidden, tensors * self._block_rows, self._device)
 
     def copy(self, offset: int, rows: int, row_stride: int, reservation: Reservation) -> None:
         """Queue the quantization of the slot at ``offset`` (``[tensors, row_stride, hidden]``, the first
@@ -97,8 +110,7 @@ class DeviceQuantizer:
                 staging = (self._codes, self._scales, self._nonfinite, self._crcs)
                 codes, scales, counts, crcs = (a[:, : high - low] for a in staging)
                 self._quantize(slot[:, low:high], row_stride, codes, scales, counts)
-                # every staging row, [tensors * block_rows]: one shape, so one product plan; unused rows cost nothing
-                self._checksum(self._codes.view(torch.uint8).view(-1, hidden), self._crcs.view(-1))
+                self._checksum_codes(high - low)
                 for start, piece in zip(starts, reservation.pieces):
                     a, b = max(low, start), min(high, start + piece.rows)
                     if a >= b:
@@ -109,6 +121,23 @@ class DeviceQuantizer:
                         ring.copy_from_device(scales[t, staged], piece.scales[t][reserved])
                         ring.copy_from_device(counts[t, staged], piece.nonfinite[t][reserved])
                         ring.copy_from_device(crcs[t, staged], piece.crcs[t][reserved])
+
+    def _checksum_codes(self, n: int) -> None:
+        """The CRC-32 of the first ``n`` staged rows of codes of each tensor, into the staging ``crcs``."""
+        if self._checksum is not None:  # every staging row: one shape, so one product plan
+            self._checksum(self._codes.view(torch.uint8).view(-1, self._hidden), self._crcs.view(-1))
+            return
+        hidden, block_rows = self._hidden, self._block_rows
+        args = (
+            np.uint64(self._codes.data_ptr()),
+            np.int64(hidden),
+            np.int64(block_rows * hidden),
+            np.int32(hidden),
+            np.uint64(self._crcs.data_ptr()),
+            np.int32(block_rows),
+            self._zero_crc,
+        )
+        self._ring.launch(self._crc_kernel, (n, self._tensors), (_THREADS,), args)
 
     def _quantize(
         self, rows: torch.Tensor, row_stride: int, codes: torch.Tensor, scales: torch.Tensor, counts: torch.Tensor
