@@ -76,11 +76,15 @@ class RowCrcs:
                 row[byte] = 1 << bit
                 basis[8 * byte + bit] = zlib.crc32(row) ^ zero
             row[byte] = 0
-        bits = (basis[:, None] >> np.arange(32, dtype=np.uint32)) & 1
-        self._basis = torch.from_numpy(bits.astype(np.int8)).to(device)
-        # torch's int8 product wants more than 16 rows, a multiple of 8: the scratch is padded to that.
+        # cuBLAS's int8 product wants more than 16 rows, a multiple of 8, and a long enough inner
+        # dimension: the scratch has rows to spare, and zero bytes before each row (which leave a
+        # CRC from zero at zero), to a multiple of 16 bytes.
         self._padded = max(24, -(-rows // 8) * 8)
-        self._bits = torch.zeros(self._padded, width, 8, dtype=torch.uint8, device=device)
+        self._lead = -width % 16
+        bits = (basis[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+        bits = np.concatenate([np.zeros((8 * self._lead, 32), dtype=bits.dtype), bits])
+        self._basis = torch.from_numpy(bits.astype(np.int8)).to(device)
+        self._bits = torch.zeros(self._padded, self._lead + width, 8, dtype=torch.uint8, device=device)
         self._shifts = torch.arange(8, dtype=torch.uint8, device=device)
         weights = np.left_shift(np.uint32(1), np.arange(32, dtype=np.uint32)).view(np.int32)
         self._weights = torch.from_numpy(weights.astype(np.int32)).to(device)
@@ -93,10 +97,11 @@ class RowCrcs:
         if rows.dtype != torch.uint8 or rows.shape[1:] != (self.width,) or n > self.rows:
             shape = f"rows {tuple(rows.shape)} {rows.dtype}"
             raise ValueError(f"RowCrcs: {shape}; want [<= {self.rows}, {self.width}] uint8")
-        bits = self._bits[:n]
+        bits = self._bits[:n, self._lead :]
         torch.bitwise_right_shift(rows.unsqueeze(-1), self._shifts, out=bits)
         bits.bitwise_and_(1)
-        counts = torch._int_mm(self._bits.view(torch.int8).view(self._padded, 8 * self.width), self._basis)
+        flat = self._bits.view(torch.int8).view(self._padded, 8 * (self._lead + self.width))
+        counts = torch._int_mm(flat, self._basis)
         counts = counts[:n].bitwise_and_(1).mul_(self._weights)
         torch.sum(counts, dim=1, dtype=torch.int32, out=out)
         out.bitwise_xor_(self._zero)
