@@ -76,11 +76,16 @@ class SyncCapture(SGLangCapture):
     """The forward hook as it was: token ids read from the device at once, rows announced at once."""
 
     def _capture(self, worker: Any, batch: Any, output: Any) -> None:
-        rows = self._batch_rows(batch)
+        if batch.forward_mode.is_decode():
+            plan, positions = self._decode_rows(batch)
+            rids, counts, total = plan.rids, plan.ones, len(plan.reqs)
+        else:
+            rows = self._rows(batch)
+            rids, counts, positions, total = rows.rids, rows.counts, rows.positions, rows.total
         aux, hidden = output.hidden_states, self.producer.config.hidden_size
-        states = [*aux.view(rows.total, -1, hidden).unbind(1), output.last_hidden_states]
+        states = [*aux.view(total, -1, hidden).unbind(1), output.last_hidden_states]
         tokens = batch.input_ids.cpu()  # what Producer.capture_step did with a device tensor: waits
-        self.producer.capture_step(states, rows.rids, rows.counts, rows.positions, tokens)
+        self.producer.capture_step(states, rids, counts, positions, tokens)
 
 
 @contextlib.contextmanager
