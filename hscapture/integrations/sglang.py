@@ -397,7 +397,7 @@ class SGLangCapture:
         if plan is None or batch.reqs != plan.reqs:  # same requests: an identity check of each, in C
             self._fold()
             plan = self._plan = _DecodePlan.of(batch.reqs)
-        positions = batch.seq_lens_cpu.numpy().astype(np.int64, copy=False) - 1
+        positions = np.subtract(batch.seq_lens_cpu.numpy(), 1, dtype=np.int64)
         self._decoded = positions  # the same requests as the step before: these positions supersede its
         return plan, positions
 
