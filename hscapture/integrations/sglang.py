@@ -232,8 +232,6 @@ class _Rows(NamedTuple):
     keep: np.ndarray | None
     #: Rows in the batch (kept or not).
     total: int
-    #: Decode only: ``[R]`` int64 prompt length of each request (its row's token is output ``position - prompt``).
-    prompt_lens: np.ndarray | None = None
 
 
 class _DecodePlan(NamedTuple):
@@ -254,8 +252,7 @@ class _DecodePlan(NamedTuple):
         return cls(reqs, tuple(req.rid for req in reqs), (1,) * len(reqs), prompts)
 
 
-@dataclass
-class _Pending:
+class _Pending(NamedTuple):
     """One forward's rows, copied into the ring already, waiting for the host to hold their token ids."""
 
     step: WrittenStep
@@ -350,45 +347,59 @@ class SGLangCapture:
                 "and hscapture extract --engine sglang add them)"
             )
         producer = self.producer if self.checked else self._check_first_output(aux, last)
-        rows = self._batch_rows(batch)
-        if aux.shape[0] != rows.total:
-            raise RuntimeError(
-                f"batch of {len(batch.reqs)} requests ({batch.forward_mode.name}) has "
-                f"{rows.total} tokens but SGLang returned {aux.shape[0]} hidden-state rows"
-            )
-        if not rows.rids:
-            return
-        if len(self.pending) >= MAX_PENDING:
-            oldest = self.pending[0]
-            raise RuntimeError(
-                f"{len(self.pending)} forwards wait to be announced: the host never got their token ids, or no "
-                f"batch result was processed since (oldest: step {oldest.step.step}, requests "
-                f"{[r.rid for r in oldest.reqs][:8]})"
-            )
         # The aux layers side by side ([N, layers * hidden]) and the last layer: one copy each into the slot.
         states = (aux, last) if self.settings.capture_last else (aux,)
-        # Pageable memory, non_blocking: the driver stages the few bytes at once, without a sync.
-        row_index = None if rows.keep is None else torch.from_numpy(rows.keep).to(aux.device, non_blocking=True)
-        step = producer.write_step(states, rows.rids, rows.counts, row_index)
+        if batch.forward_mode.is_decode():  # the hot path: no per-step objects beyond what the producer keeps
+            plan, positions = self._decode_rows(batch)
+            if aux.shape[0] != len(plan.reqs):
+                raise self._mismatch(batch, len(plan.reqs), aux)
+            if len(self.pending) >= MAX_PENDING:
+                raise self._backlog()
+            step = producer.write_step(states, plan.rids, plan.ones)
+            pending = _Pending(step, plan.reqs, None, plan.ones, positions, plan.prompt_lens)
+        else:
+            rows = self._rows(batch)
+            if aux.shape[0] != rows.total:
+                raise self._mismatch(batch, rows.total, aux)
+            if not rows.rids:
+                return
+            if len(self.pending) >= MAX_PENDING:
+                raise self._backlog()
+            # Pageable memory, non_blocking: the driver stages the few bytes at once, without a sync.
+            row_index = None if rows.keep is None else torch.from_numpy(rows.keep).to(aux.device, non_blocking=True)
+            step = producer.write_step(states, rows.rids, rows.counts, row_index)
+            pending = _Pending(step, rows.reqs, rows.firsts, rows.counts, rows.positions, None)
         self.served = True
         if step.written:
-            self.pending.append(_Pending(step, rows.reqs, rows.firsts, rows.counts, rows.positions, rows.prompt_lens))
+            self.pending.append(pending)
 
-    def _batch_rows(self, batch: Any) -> _Rows:
-        """Which rows of the batch to keep and whose they are, from host-side lengths only."""
-        return self._decode_rows(batch) if batch.forward_mode.is_decode() else self._rows(batch)
+    @staticmethod
+    def _mismatch(batch: Any, total: int, aux: torch.Tensor) -> RuntimeError:
+        return RuntimeError(
+            f"batch of {len(batch.reqs)} requests ({batch.forward_mode.name}) has "
+            f"{total} tokens but SGLang returned {aux.shape[0]} hidden-state rows"
+        )
 
-    def _decode_rows(self, batch: Any) -> _Rows:
-        """A decode batch's rows: one fresh row per request at ``seq_lens_cpu - 1``, nothing ever skipped."""
+    def _backlog(self) -> RuntimeError:
+        oldest = self.pending[0]
+        return RuntimeError(
+            f"{len(self.pending)} forwards wait to be announced: the host never got their token ids, or no "
+            f"batch result was processed since (oldest: step {oldest.step.step}, requests "
+            f"{[r.rid for r in oldest.reqs][:8]})"
+        )
+
+    def _decode_rows(self, batch: Any) -> tuple[_DecodePlan, np.ndarray]:
+        """A decode batch's requests and ``[R]`` positions: one fresh row per request at ``seq_lens_cpu - 1``,
+        nothing ever skipped."""
         if batch.seq_lens_cpu is None:
             raise RuntimeError("SGLang gave a decode batch without seq_lens_cpu; cannot place its rows")
         plan = self._plan
         if plan is None or batch.reqs != plan.reqs:  # same requests: an identity check of each, in C
             self._fold()
             plan = self._plan = _DecodePlan.of(batch.reqs)
-        positions = batch.seq_lens_cpu.numpy().astype(np.int64, copy=False) - 1
+        positions = np.subtract(batch.seq_lens_cpu.numpy(), 1, dtype=np.int64)
         self._decoded = positions  # the same requests as the step before: these positions supersede its
-        return _Rows(plan.rids, plan.reqs, None, plan.ones, positions, None, len(plan.reqs), plan.prompt_lens)
+        return plan, positions
 
     def _fold(self) -> None:
         """Record the last decode step's positions in ``sent_upto`` before anything reads it."""
