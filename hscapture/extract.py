@@ -396,7 +396,7 @@ def check_out_layout(out: Path, part: Part | None, jobs: int) -> None:
         if found and not is_store(out):
             names = ", ".join(p.name for p in found[:4])
             raise ValueError(
-                f"--out: {out} holds the stores of a split extraction ({names}); resume it with the same --shard "
+                f"--out: {out} holds the parts of a split extraction ({names}); resume it with the same --shard "
                 "and --data-parallel, read it with hscapture.open_store, or give another --out"
             )
         return
