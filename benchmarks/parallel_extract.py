@@ -9,7 +9,10 @@ as a smoke run). One run, one model, one dataset, all made here (nothing downloa
   ``extract`` suite makes them);
 * ``hscapture extract --data-parallel 1``, then ``--data-parallel K``, each its own process over the
   same data into a fresh ``--out``; tok/s from extract's own line (capture time: for K jobs, from
-  the first job's start to the last job's end, so a job that starts late counts against it).
+  the first job's start to the last job's end, so a job that starts late counts against it). The K
+  jobs share the batches of one queue, which the command tokenizes and plans once while they load
+  their models: each job's "data s" is that tokenizing, its "capture starts at" when it was ready
+  to take batches.
 
 By default one middle layer is captured as fp8 (``--no-last --store-dtype fp8``): little to write
 per token, so the GPUs, not the disk they share, set the rate (one disk does not scale with GPUs;

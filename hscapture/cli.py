@@ -344,7 +344,7 @@ def _extract(args: argparse.Namespace) -> int:
         return 130
     store = summary.store
     if not store:
-        split = " in this job's parts" if options.shard is not None or options.data_parallel > 1 else ""
+        split = f" in part {options.shard}" if options.shard is not None else ""
         print(f"nothing to capture: {options.data or 'the demo data'} has no samples{split}", file=sys.stderr)
         return 1
     where = summary.out or options.out

@@ -15,19 +15,25 @@ the end (handing it to its consumer), so a second extraction into the same ``--o
 right away instead of capturing every sample again.
 Split extraction (:mod:`hscapture.partition`): ``--shard I/N`` captures only the samples whose key
 hashes to ``I`` modulo ``N`` into ``OUT/part-<I>-of-<N>``, so N jobs on any hosts capture every
-sample once, each resumable on its own. ``--data-parallel K`` runs K such jobs on this host, one per
-GPU, each in its own process with its own engine, ring and consumer (:mod:`hscapture.parallel`),
-under one progress bar. ``hscapture.open_store(OUT)`` reads the parts as one dataset.
+sample once, each resumable on its own. ``--data-parallel K`` runs K jobs on this host, one per GPU,
+each in its own process with its own engine, ring and consumer, writing its own store ``OUT/dp<j>``
+(with ``--shard I/N``: ``OUT/part-<I>-of-<N>-dp<j>``), under one progress bar. The jobs share the
+batches (:mod:`hscapture.parallel`): they load their models at once while this process tokenizes the
+data (its part, less every key complete in any store of the run, of any earlier K) and plans the
+batches with :func:`plan`; each job takes the next batch when it is ready, so none waits for a slower
+one and a job that loaded first takes more. A key is captured by one job; the K stores together
+hold the part. ``hscapture.open_store(OUT)`` reads the stores as one dataset.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,11 +43,11 @@ from tqdm import tqdm
 
 from hscapture.config import STORE_DTYPES, MiB, ensure_writable_dir, flag, store_dtype_name
 from hscapture.consumer import consume_command
-from hscapture.data import Sample, keyed_records, load_samples, tokenize_workers
+from hscapture.data import Sample, check_batching, keyed_records, load_samples, plan_batches, tokenize_workers
 from hscapture.errors import HSCaptureError
-from hscapture.parallel import Job, run_jobs
+from hscapture.parallel import Job, Shared, run_jobs
 from hscapture.partition import Part
-from hscapture.store.collection import StoreSet, is_store, named_part, part_dir, part_dirs
+from hscapture.store.collection import StoreSet, is_store, named_job, named_part, part_dir, part_dirs
 from hscapture.store.files import StoreLock, group_id, lock_store, prepare_store_dir
 from hscapture.store.format import META_FILE, check_store_dtype
 from hscapture.store.reader import Store, open_store
@@ -79,8 +85,8 @@ class ExtractOptions:
     #: Every new padded length is a new shape, and a fresh process pays a one-time cost per shape; on the
     #: extract benchmark's data 64 makes a run meet ~5x fewer shapes (168 -> 34) for ~2% more padding.
     pad_to_multiple: int = 64
-    #: Capture only the first this many records of the data (with --shard or --data-parallel, each job
-    #: its share of them); a rerun with the same limit resumes exactly those (not this many more).
+    #: Capture only the first this many records of the data (with --shard, this part's share of them); a
+    #: rerun with the same limit resumes exactly those (not this many more).
     limit: int | None = None
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
@@ -89,8 +95,8 @@ class ExtractOptions:
     store_dtype: str | None = field(default=None, metadata=flag(choices=sorted(STORE_DTYPES)))
     #: Threads of the consumer writing shards (default 2: what keeps one disk busiest).
     writer_threads: int | None = None
-    #: Processes tokenizing the data side by side (default: one per core, at most 16, shared among
-    #: --data-parallel jobs; none started for a data file under 1 MiB or fewer than 4 cores each).
+    #: Processes tokenizing the data side by side (default: one per core, at most 16; none started for a data
+    #: file under 1 MiB or under 4 cores). With --data-parallel, this process tokenizes for every job.
     tokenize_workers: int | None = None
     #: Show a progress bar.
     progress: bool = True
@@ -113,7 +119,7 @@ class ExtractOptions:
     #: ``OUT/part-<I>-of-<N>``; N jobs (on any hosts) capture every sample once, each resumable.
     shard: str | None = None
     #: Jobs on this host, one per GPU (``--device cuda``), each with its own engine, ring and consumer,
-    #: writing ``OUT/part-<i>-of-<K>`` (with ``--shard I/N``: parts ``I+N*i`` of ``N*K``).
+    #: sharing the batches; job j writes ``OUT/dp<j>`` (with ``--shard I/N``: ``OUT/part-<I>-of-<N>-dp<j>``).
     data_parallel: int = 1
 
 
@@ -136,7 +142,7 @@ class ExtractSummary:
     #: Seconds to load the model (the engine's start), and to read, tokenize and batch the data: paid before capture.
     load_seconds: float = 0.0
     data_seconds: float = 0.0
-    #: Several jobs (``--data-parallel``): each job's own summary, in part order.
+    #: Several jobs (``--data-parallel``): each job's own summary, in job order (``data_seconds``: the parent's).
     jobs: tuple[ExtractSummary, ...] = ()
 
     @property
@@ -152,11 +158,9 @@ class OfflineEngine(Protocol):
     #: Facts for the store's run line (engine, model, mode, ...).
     meta: dict[str, Any]
 
-    def plan(self, samples: Sequence[Sample]) -> list[list[Sample]]:
-        """The batches to run, in order."""
-
-    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
-        """Start capturing to a consumer on ``endpoint``; ``watchdog`` raises if the consumer died."""
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None], longest: int) -> None:
+        """Start capturing to a consumer on ``endpoint``; ``watchdog`` raises if the consumer died; no sample
+        given to :meth:`run` is longer than ``longest`` tokens (the batches are :func:`plan`'s)."""
 
     def run(self, batch: list[Sample]) -> int:
         """Capture one batch; returns the tokens captured."""
@@ -232,6 +236,7 @@ def check_options(options: ExtractOptions) -> Path:
         raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
     if options.engine == "hf" and options.mode != "teacher":
         raise ValueError("--mode regenerate needs --engine sglang (the HF engine runs teacher forcing only)")
+    check_batching(options.max_batch_tokens, options.max_batch_size, options.pad_to_multiple, as_flags=True)
     if options.engine == "hf" and options.sglang_args:
         raise ValueError(f"{' '.join(options.sglang_args)}: arguments after -- are SGLang's; they need --engine sglang")
     _check_device(options.device)
@@ -305,18 +310,29 @@ def extract(options: ExtractOptions, bar: BarFactory | None = None) -> ExtractSu
         HSCaptureError: the consumer process failed (for several jobs: the first job that failed).
     """
     out = Path(options.out)
-    parts = split_parts(options)
+    part, jobs = parse_split(options)
     data = check_options(options)
     ensure_writable_dir(out, "--out")
-    check_out_layout(out, parts)
-    if len(parts) > 1:
+    check_out_layout(out, part, jobs)
+    if jobs > 1:
         prepare_store_dir(out, options.share_group, what="directory of parts")
-        return _extract_parallel(options, out, parts, data)
-    part = parts[0] if parts else None
+        return _extract_shared(options, out, part, jobs, data)
     if part is not None:  # this job's store is its part of --out
         prepare_store_dir(out, options.share_group, what="directory of parts")
         out = ensure_writable_dir(out / part_dir(part), "--out")
         options = replace(options, out=out)
+    show = bar or _tqdm_bar(options.progress)
+    return _with_engine(options, out, lambda engine, lock: _run(engine, options, out, data, part, lock, show))
+
+
+def _tqdm_bar(show: bool) -> BarFactory:
+    return lambda total: tqdm(total=total, unit="tok", disable=not show)
+
+
+def _with_engine(
+    options: ExtractOptions, out: Path, capture: Callable[[OfflineEngine, StoreLock], ExtractSummary]
+) -> ExtractSummary:
+    """Take the lock of the store at ``out``, load the engine, ``capture(engine, lock)``; release both."""
     lock = lock_store(out, 1.0, prepare_store_dir(out, options.share_group))
     try:
         check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
@@ -324,20 +340,15 @@ def extract(options: ExtractOptions, bar: BarFactory | None = None) -> ExtractSu
         engine = open_engine(options)
         load_seconds = time.monotonic() - loading
         try:
-            summary = _run(engine, options, out, data, part, lock, bar or _tqdm_bar(options.progress))
-            return replace(summary, load_seconds=load_seconds)
+            return replace(capture(engine, lock), load_seconds=load_seconds)
         finally:
             engine.shutdown()
     finally:
         lock.close()
 
 
-def _tqdm_bar(show: bool) -> BarFactory:
-    return lambda total: tqdm(total=total, unit="tok", disable=not show)
-
-
-def split_parts(options: ExtractOptions) -> list[Part]:
-    """The parts this command captures: none (one store at ``--out``), or one per job.
+def parse_split(options: ExtractOptions) -> tuple[Part | None, int]:
+    """This command's part of the data (``--shard``, None: all of it) and its number of jobs (``--data-parallel``).
 
     Raises:
         ValueError: a bad ``--shard`` (not ``I/N`` with ``0 <= I < N``) or ``--data-parallel`` (< 1, or
@@ -352,55 +363,80 @@ def split_parts(options: ExtractOptions) -> list[Part]:
             f"--device {options.device} with --data-parallel {options.data_parallel}: give --device cuda; job i "
             "runs on the i-th visible GPU (set CUDA_VISIBLE_DEVICES to choose them)"
         )
-    if options.shard is None and options.data_parallel == 1:
-        return []
-    part = Part.parse(options.shard) if options.shard is not None else Part(0, 1)
-    return part.split(options.data_parallel)
+    part = Part.parse(options.shard) if options.shard is not None else None
+    return part, options.data_parallel
 
 
-def check_out_layout(out: Path, parts: list[Part]) -> None:
+def _describe(held: Part, jobs: bool) -> str:
+    """Who writes a store of part ``held``: one ``--shard`` job, or ``--data-parallel`` jobs."""
+    if not jobs:
+        return f"part {held} of the data, captured by one `--shard {held}` job"
+    if held == Part(0, 1):
+        return "the data, captured by `--data-parallel` jobs"
+    return f"part {held} of the data, captured by `--shard {held} --data-parallel` jobs"
+
+
+def _resume(held: Part, jobs: bool) -> str:
+    """The command that resumes a store of part ``held`` as it was written."""
+    if not jobs:
+        return f"`--shard {held}` alone (one job writing OUT/{part_dir(held)}), and so for each such part"
+    return f"`{f'--shard {held} ' if held != Part(0, 1) else ''}--data-parallel K` (any K)"
+
+
+def check_out_layout(out: Path, part: Part | None, jobs: int) -> None:
     """Refuse an ``--out`` that holds another layout: a store where parts go, parts where a store goes, or
-    parts of another split holding keys these parts would capture again.
+    stores of another split (or of the same part written otherwise: one ``--shard`` job against shared
+    ``--data-parallel`` jobs) holding keys this command would capture again.
 
     Raises:
-        ValueError: naming what ``out`` holds and the fix.
+        ValueError: naming what ``out`` holds and how to resume it.
     """
     found = part_dirs(out)
-    if not parts:
+    if part is None and jobs == 1:
         if found and not is_store(out):
             names = ", ".join(p.name for p in found[:4])
             raise ValueError(
-                f"--out: {out} holds the parts of a split extraction ({names}); resume it with the same --shard and "
-                "--data-parallel, read it with hscapture.open_store, or give another --out"
+                f"--out: {out} holds the parts of a split extraction ({names}); resume it with the same --shard "
+                "and --data-parallel, read it with hscapture.open_store, or give another --out"
             )
         return
     if is_store(out):
         raise ValueError(
             f"--out: {out} is the store of an extraction without --shard or --data-parallel; a split extraction "
-            "writes its parts (OUT/part-<i>-of-<n>) into a directory of their own: give another --out"
+            "writes its stores (OUT/part-<i>-of-<n>, OUT/dp<j>) into a directory of their own: give another --out"
         )
+    mine = part if part is not None else Part(0, 1)
     for path in found:
-        held = named_part(path)
-        if held is None or held in parts:
-            continue
-        for part in parts:
-            if held.overlaps(part):
-                raise ValueError(
-                    f"--out: {path} (part {held} of another split of the data) holds keys that part {part} would "
-                    f"capture again; resume that split (--shard/--data-parallel giving part {held}), or give "
-                    "another --out"
-                )
+        by_jobs = named_job(path) is not None
+        held = named_part(path) or Part(0, 1)  # dp<j>: a job of all the data
+        if (held == mine and by_jobs == (jobs > 1)) or not held.overlaps(mine):
+            continue  # one of this command's stores (resumed), or keys it never captures
+        this = " ".join([f"--shard {part}"] * (part is not None) + [f"--data-parallel {jobs}"] * (jobs > 1))
+        raise ValueError(
+            f"--out: {path} holds {_describe(held, by_jobs)}; this command ({this}) would capture its keys again. "
+            f"Resume that extraction as it was written, with {_resume(held, by_jobs)}, or give another --out"
+        )
+
+
+def run_stores(out: Path, part: Part | None) -> list[Path]:
+    """The stores in ``out`` of ``--data-parallel`` jobs over ``part`` (None: all the data), of any earlier K."""
+    return [p for p in part_dirs(out) if named_job(p) is not None and named_part(p) == part and is_store(p)]
 
 
 def job_environments(options: ExtractOptions, jobs: int) -> list[dict[str, str]]:
     """Each job's GPUs, as ``CUDA_VISIBLE_DEVICES``: one GPU per job for ``hf``; for ``sglang`` an equal
-    share of the visible GPUs (for SGLang's own ``--tp-size``). Nothing for CPU jobs.
+    share of the visible GPUs (for SGLang's own ``--tp-size``). CPU jobs: an equal share of the cores
+    (``OMP_NUM_THREADS``, unless set already): jobs whose torch threads outnumber the cores run several
+    times slower than their share, as they spin waiting for each other.
 
     Raises:
         ValueError: a device index with several jobs, or fewer GPUs than jobs.
     """
-    if jobs == 1 or not options.device.startswith("cuda"):
+    if jobs == 1 or (not options.device.startswith("cuda") and "OMP_NUM_THREADS" in os.environ):
         return [{} for _ in range(jobs)]
+    if not options.device.startswith("cuda"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return [{"OMP_NUM_THREADS": str(max(1, cores // jobs))} for _ in range(jobs)]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         gpus = [g.strip() for g in visible.split(",") if g.strip()]
@@ -416,27 +452,105 @@ def job_environments(options: ExtractOptions, jobs: int) -> list[dict[str, str]]
     return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * share : (i + 1) * share])} for i in range(jobs)]
 
 
-def _extract_parallel(options: ExtractOptions, out: Path, parts: list[Part], data: Path) -> ExtractSummary:
-    """One job per part, each in its own process (``hscapture extract --shard`` there), under one bar."""
-    environments = job_environments(options, len(parts))
-    workers = options.tokenize_workers or tokenize_workers(data, len(parts))
-    jobs = [
-        Job(
-            part_dir(part),
-            (replace(options, shard=str(part), data_parallel=1, progress=False, tokenize_workers=workers),),
-            env,
-        )
-        for part, env in zip(parts, environments)
+def plan(options: ExtractOptions, samples: Sequence[Sample]) -> list[list[Sample]]:
+    """The batches the engine runs, in order: a function of the options and samples alone (no model), so the
+    parent of ``--data-parallel`` jobs plans for them. HF: :func:`~hscapture.data.plan_batches` under the
+    batch limits; SGLang: ``--max-batch-size`` samples per ``generate`` call."""
+    if options.engine == "sglang":
+        size = options.max_batch_size
+        return [list(samples[i : i + size]) for i in range(0, len(samples), size)]
+    return plan_batches(samples, options.max_batch_tokens, options.max_batch_size, options.pad_to_multiple)
+
+
+def model_dir(options: ExtractOptions) -> Path:
+    """The model directory ``--model`` gives (the embedded tiny Llama, built once, without one).
+
+    Raises:
+        ValueError: no ``config.json`` there.
+    """
+    from hscapture.tiny import ensure_tiny_model
+
+    path = Path(options.model) if options.model is not None else ensure_tiny_model()
+    if not (path / "config.json").exists():
+        raise ValueError(f"--model: {str(path)!r} has no config.json; give a local HF model directory")
+    return path
+
+
+def _pending(options: ExtractOptions, data: Path, skip: set[str], keep: Callable[[str], bool] | None) -> bool:
+    """Whether a record of the data (within ``--limit``, of this part) is not captured yet: JSON only, no tokenizer."""
+    records = itertools.islice(keyed_records(data), options.limit)
+    return any(key not in skip and (keep is None or keep(key)) for _, _, key, _ in records)
+
+
+def _extract_shared(options: ExtractOptions, out: Path, part: Part | None, jobs: int, data: Path) -> ExtractSummary:
+    """K jobs, each in its own process with its own engine and store, taking the batches this process tokenizes
+    and plans from one queue (:mod:`hscapture.parallel`), under one bar."""
+    environments = job_environments(options, jobs)
+    options = replace(options, model=model_dir(options))  # built here once, never by the jobs at once
+    names = [part_dir(part, j) for j in range(jobs)]
+    for name in names:
+        check_store_dtype(out / name, store_dtype_name(options.store_dtype, "--store-dtype"))
+    earlier = run_stores(out, part)
+    skip: set[str] = set().union(*(done_keys(store) for store in earlier))
+    keep = part.owns if part is not None else None
+    if skip and not _pending(options, data, skip, keep):  # nothing left: no model loads
+        print(f"resuming {out}: {len(skip)} samples already captured, 0 to go", file=sys.stderr)
+        return ExtractSummary(0, 0, 0.0, len(skip), StoreSet(earlier).summary(), out=out)
+    prepared: dict[str, float] = {}
+
+    def share(shared: Shared) -> None:
+        from transformers import AutoTokenizer
+
+        reading = time.monotonic()
+        tokenizer = AutoTokenizer.from_pretrained(options.model)
+        workers = options.tokenize_workers or tokenize_workers(data)
+        samples = list(load_samples(data, tokenizer, options.max_length, skip, options.limit, keep, workers))
+        if skip:
+            print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
+        batches = plan(options, samples)
+        prepared["data_seconds"] = time.monotonic() - reading
+        longest = max((len(s.input_ids) for s in samples), default=None)
+        shared.announce(longest, sum(len(s.input_ids) for s in samples))
+        for batch in batches:
+            shared.put(batch)
+        shared.end()
+
+    job_options = replace(options, data_parallel=1, progress=False)
+    work = [
+        Job(name, (replace(job_options, out=out / name), data, part, j), env)
+        for j, (name, env) in enumerate(zip(names, environments))
     ]
-    results: list[ExtractSummary] = run_jobs(extract, jobs, show=options.progress)
+    results = [
+        replace(r, data_seconds=prepared.get("data_seconds", 0.0))
+        for r in run_jobs(_shared_job, work, show=options.progress, share=share)
+    ]
     ran = [r for r in results if r.samples]
     began = min((r.started_at for r in ran), default=0.0)
-    seconds = max((r.started_at + r.seconds for r in ran), default=began) - began
-    summary = StoreSet([out]).summary() if any(r.store for r in results) else {}
+    stores = run_stores(out, part)
     return ExtractSummary(
-        sum(r.samples for r in results), sum(r.tokens for r in results), seconds, sum(r.skipped for r in results),
-        summary, out=out, started_at=began, jobs=tuple(results),
+        sum(r.samples for r in results), sum(r.tokens for r in results),
+        max((r.started_at + r.seconds for r in ran), default=began) - began, len(skip),
+        StoreSet(stores).summary() if stores else {}, sum(r.empty_loss_mask for r in results),
+        max((r.startup_seconds for r in ran), default=0.0), out, began,
+        max((r.load_seconds for r in results), default=0.0), prepared.get("data_seconds", 0.0), tuple(results),
     )  # fmt: skip
+
+
+def _shared_job(
+    options: ExtractOptions, data: Path, part: Part | None, job: int, bar: BarFactory, shared: Shared
+) -> ExtractSummary:
+    """Job ``job`` of ``--data-parallel``, in its own process: load the engine at once, then capture the batches
+    it takes from ``shared`` into its own store ``options.out``."""
+    out = ensure_writable_dir(Path(options.out), "--out")
+
+    def capture(engine: OfflineEngine, lock: StoreLock) -> ExtractSummary:
+        longest = shared.plan()
+        if longest is None:  # nothing to capture
+            return ExtractSummary(0, 0, 0.0, 0, {}, out=out)
+        meta = {"data": str(data), **({"part": str(part)} if part else {}), "job": job}
+        return _capture(engine, options, out, lock, iter(shared), longest, meta, bar, 0)
+
+    return _with_engine(options, out, capture)
 
 
 def _run(
@@ -448,27 +562,39 @@ def _run(
     lock: StoreLock,
     bar: BarFactory,
 ) -> ExtractSummary:
+    """One job alone: tokenize what its store lacks, plan and capture it."""
     reading = time.monotonic()
     skip = done_keys(out)
     keep = part.owns if part is not None else None
-    samples = list(
-        load_samples(
-            data,
-            engine.tokenizer,
-            options.max_length,
-            skip_keys=skip,
-            limit=options.limit,
-            keep=keep,
-            workers=options.tokenize_workers or tokenize_workers(data),
-        )
-    )
+    workers = options.tokenize_workers or tokenize_workers(data)
+    samples = list(load_samples(data, engine.tokenizer, options.max_length, skip, options.limit, keep, workers))
     if skip:
         print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
     if not samples:  # nothing left to capture: no producer, no consumer
         return ExtractSummary(0, 0, 0.0, len(skip), open_store(out).summary() if skip else {}, out=out)
-    empty = sum(not any(sample.loss_mask) for sample in samples)
-    batches = engine.plan(samples)
+    batches = plan(options, samples)
     data_seconds = time.monotonic() - reading
+    meta = {"data": str(data), **({"part": str(part)} if part else {})}
+    longest = max(len(s.input_ids) for s in samples)
+    total = sum(len(s.input_ids) for s in samples)
+    summary = _capture(engine, options, out, lock, batches, longest, meta, bar, total, len(samples))
+    return replace(summary, skipped=len(skip), data_seconds=data_seconds)
+
+
+def _capture(
+    engine: OfflineEngine,
+    options: ExtractOptions,
+    out: Path,
+    lock: StoreLock,
+    batches: Iterable[list[Sample]],
+    longest: int,
+    meta: dict[str, Any],
+    bar: BarFactory,
+    total_tokens: int,
+    total_samples: int | None = None,
+) -> ExtractSummary:
+    """Start the consumer and the engine's producer, run ``batches`` (none longer than ``longest`` tokens per
+    sample; ``total_*``: what the bar counts to, if known), end the stream and check the store."""
     endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
     launched = time.monotonic()
     consumer = start_consumer(endpoint, options, lock)
@@ -478,22 +604,22 @@ def _run(
             raise consumer_error(consumer.returncode, out, "; the engine was stopped")
 
     try:
-        engine.start(endpoint, {"data": str(data), **({"part": str(part)} if part else {})}, consumer_alive)
+        engine.start(endpoint, meta, consumer_alive, longest)
     except BaseException:
         consumer.kill()
         raise
     started, started_at = time.monotonic(), time.time()
-    tokens = 0
+    samples = tokens = empty = 0
     ended = False
     try:
-        with bar(sum(len(s.input_ids) for s in samples)) as progress:
-            done = 0
+        with bar(total_tokens) as progress:
             for batch in batches:
                 consumer_alive()
                 waited = engine.waited_s()
                 tokens += engine.run(batch)
-                done += len(batch)
-                progress.set_postfix_str(_status(done, len(samples), waited, engine.waited_s()), refresh=False)
+                samples += len(batch)
+                empty += sum(not any(sample.loss_mask) for sample in batch)
+                progress.set_postfix_str(_status(samples, total_samples, waited, engine.waited_s()), refresh=False)
                 progress.update(sum(len(s.input_ids) for s in batch))
         engine.end()
         ended = True
@@ -506,10 +632,7 @@ def _run(
         raise consumer_error(code, out)
     store = open_store(out)
     engine.check(store)
-    return ExtractSummary(
-        len(samples), tokens, seconds, len(skip), store.summary(), empty, started - launched, out, started_at,
-        data_seconds=data_seconds,
-    )  # fmt: skip
+    return ExtractSummary(samples, tokens, seconds, 0, store.summary(), empty, started - launched, out, started_at)
 
 
 def capture_failure(out: Path) -> str:
@@ -530,9 +653,9 @@ def consumer_error(code: int, out: Path, then: str = "") -> HSCaptureError:
     return HSCaptureError(f"consumer exited with code {code}{then}; the store at {out} keeps what was committed")
 
 
-def _status(done: int, total: int, before: float | None, after: float | None) -> str:
-    """The progress bar's postfix: samples done, and whether the last batch waited for the disk."""
-    text = f"samples={done}/{total}"
+def _status(done: int, total: int | None, before: float | None, after: float | None) -> str:
+    """The progress bar's postfix: samples done (of how many, if known), and whether the last batch waited for disk."""
+    text = f"samples={done}/{total}" if total is not None else f"samples={done}"
     if before is None or after is None or after <= before:
         return text
     return f"{text}, waiting for disk ({after:.1f} s in all: the store is slower than the engine)"

@@ -1,15 +1,24 @@
-"""Jobs in processes of their own under one progress bar: ``hscapture extract --data-parallel K``.
+"""Jobs in processes of their own under one progress bar, sharing one queue of work: ``extract --data-parallel K``.
 
 :func:`run_jobs` starts one ``spawn`` process per job (a fresh interpreter: no inherited CUDA state,
 locks or threads), each with its own environment on top of ours (e.g. ``CUDA_VISIBLE_DEVICES``),
 and calls ``target(*job.args, bar=...)`` there. The ``bar`` it is given makes tqdm-like bars whose
-counts travel back over a queue, so the jobs draw one bar together in this process. The first job
-that fails stops the others and its error is raised here, prefixed with the job's name. To stop,
-a job gets SIGINT (SIGKILL if it is still there after ``stop_timeout_s``); the SIGINT interrupts
-it at once while it loads, and at its bar's next update while it captures (between two batches,
-never inside a cleanup), so it finishes its store as on Ctrl-C; once its bar is closed it ends on
-its own. A job outlives neither this process (it stops itself when we die) nor a Ctrl-C here (the
-terminal's SIGINT reaches every job, and we wait for them to finish their stores).
+counts travel back over a queue, so the jobs draw one bar together in this process.
+
+Given ``share``, the jobs also share their work (:class:`Shared`): ``share(shared)`` runs in a
+thread of this process while the jobs start (they load their models meanwhile); it announces a
+plan that every job reads once (``shared.plan()``) with the bar's total, puts the items of work,
+then one end per job. A job takes items (``for item in shared``) whenever it is ready, so a job
+that started first or runs faster takes more. ``share`` failing stops the jobs and its error is
+raised here as it is.
+
+The first job that fails stops the others and its error is raised here, prefixed with the job's
+name. To stop, a job gets SIGINT (SIGKILL if it is still there after ``stop_timeout_s``); the
+SIGINT interrupts it at once while it loads, and at its bar's next update or while it waits for
+work when it captures (between two items, never inside a cleanup), so it finishes its store as on
+Ctrl-C; once its bar is closed it ends on its own. A job outlives neither this process (it stops
+itself when we die) nor a Ctrl-C here (the terminal's SIGINT reaches every job, and we wait for
+them to finish their stores). A job that dies loses the item it was running; the others are stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,28 +99,85 @@ class QueueBar:
         _Stop.phase = "finishing"
 
 
+class Shared:
+    """Work the jobs share (see the module docstring): made by :func:`run_jobs`, given to ``share`` in this
+    process and to each job as ``shared``."""
+
+    def __init__(self, context: Any, jobs: int, channel: Any) -> None:
+        self._jobs, self._channel = jobs, channel
+        self._plans, self._items = context.Queue(), context.Queue()
+        for queue in (self._plans, self._items):
+            queue.cancel_join_thread()  # stopped jobs leave items unread: never wait for them at exit
+
+    def announce(self, plan: Any, total: int) -> None:
+        """Parent side: give every job ``plan`` and add ``total`` to the bar."""
+        self._channel.put(("total", -1, total))
+        for _ in range(self._jobs):
+            self._plans.put(plan)
+
+    def put(self, item: Any) -> None:
+        """Parent side: one item of work (not None), for the first job that asks."""
+        self._items.put(item)
+
+    def end(self) -> None:
+        """Parent side: no more items; each job ends its iteration when it meets one of these ends."""
+        for _ in range(self._jobs):
+            self._items.put(None)
+
+    def plan(self) -> Any:
+        """Job side: the plan, waiting for it (interruptible)."""
+        return self._take(self._plans)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Job side: items of work, waited for (a stop request interrupts the wait), until an end."""
+        while (item := self._take(self._items)) is not None:
+            yield item
+
+    @staticmethod
+    def _take(source: Any) -> Any:
+        while True:
+            _Stop.check()
+            try:
+                return source.get(timeout=_POLL_S)
+            except queues.Empty:
+                continue
+
+
 def run_jobs(
     target: Callable[..., Any],
     jobs: Sequence[Job],
     show: bool = True,
     unit: str = "tok",
     stop_timeout_s: float = 120.0,
+    share: Callable[[Shared], None] | None = None,
 ) -> list[Any]:
     """Run every job in its own process; return their results in job order.
+
+    Args:
+        share: feeds the jobs' shared work (see the module docstring); None: jobs share nothing.
 
     Raises:
         ValueError, TypeError: a job's bad input (the message names the job).
         HSCaptureError: a job failed otherwise, or died without a word (its exit status).
         KeyboardInterrupt: Ctrl-C; every job was let finish its store first.
+        Exception: what ``share`` raised, as it is.
     """
     context = multiprocessing.get_context("spawn")
     channel = context.Queue()
+    shared = Shared(context, len(jobs), channel) if share is not None else None
     processes = []
     for index, job in enumerate(jobs):
-        process = context.Process(target=_job_main, args=(target, job, index, channel), name=f"hscapture-{job.name}")
+        process = context.Process(
+            target=_job_main, args=(target, job, index, channel, shared), name=f"hscapture-{job.name}"
+        )
         with _environment(job.env):
             process.start()
         processes.append(process)
+    feeding: list[BaseException] = []  # share's failure, if any
+    if share is not None and shared is not None:
+        feeder = threading.Thread(target=_feed, args=(share, shared, channel, feeding), name="hscapture-share")
+        feeder.daemon = True  # a failure here must not wait for it (e.g. on its tokenizing processes)
+        feeder.start()
     results: dict[int, Any] = {}
     said: set[int] = set()  # jobs that reported their failure (they exit by themselves)
     silent: set[int] = set()  # jobs seen exited without a word at the last empty poll
@@ -134,6 +200,8 @@ def run_jobs(
                 bar.set_postfix_str(" | ".join(f"{jobs[i].name}: {text}" for i, text in enumerate(postfix) if text))
             elif kind == "done":
                 results[index] = value
+            elif kind == "share-failed":
+                raise feeding[0]
             else:
                 said.add(index)
                 raise _job_error(jobs[index].name, value)
@@ -145,6 +213,15 @@ def run_jobs(
     for process in processes:
         process.join()
     return [results[i] for i in range(len(jobs))]
+
+
+def _feed(share: Callable[[Shared], None], shared: Shared, channel: Any, failure: list[BaseException]) -> None:
+    """``share`` in its own thread; its exception is kept for the parent's loop, told over the channel."""
+    try:
+        share(shared)
+    except BaseException as exc:
+        failure.append(exc)
+        channel.put(("share-failed", -1, None))
 
 
 def _check_alive(jobs: Sequence[Job], processes: list[Any], results: dict[int, Any], silent: set[int]) -> set[int]:
@@ -205,7 +282,7 @@ class _environment:
                 os.environ[name] = value
 
 
-def _job_main(target: Callable[..., Any], job: Job, index: int, channel: Any) -> None:
+def _job_main(target: Callable[..., Any], job: Job, index: int, channel: Any, shared: Shared | None) -> None:
     """A job's process: run it, send its result or its failure; stop when the parent dies."""
     signal.signal(signal.SIGINT, _on_sigint)
     parent = os.getppid()
@@ -218,7 +295,8 @@ def _job_main(target: Callable[..., Any], job: Job, index: int, channel: Any) ->
 
     threading.Thread(target=watch_parent, name="hscapture-watch-parent", daemon=True).start()
     try:
-        result = target(*job.args, bar=lambda total: QueueBar(channel, index, total))
+        more = {"shared": shared} if shared is not None else {}
+        result = target(*job.args, bar=lambda total: QueueBar(channel, index, total), **more)
     except BaseException as exc:  # every failure goes to the parent, which decides
         _Stop.phase = "finishing"
         if not isinstance(exc, (ValueError, TypeError, HSCaptureError, KeyboardInterrupt)):

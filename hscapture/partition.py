@@ -3,11 +3,11 @@
 Part ``I`` of ``N`` holds the samples whose key hashes to ``I`` modulo ``N``. The hash is the first
 8 bytes of BLAKE2b over the key's UTF-8 bytes, read little-endian: the same on every host, Python
 version and run (Python's own ``hash`` of a string is salted per process, so it cannot be used).
-A part splits further without moving a key to another part's job: the ``K`` sub-parts of part
-``I`` of ``N`` are parts ``I + N*j`` of ``N*K`` (``j < K``), which together hold exactly part
-``I`` of ``N`` (a residue modulo ``N*K`` fixes the residue modulo ``N``). So ``extract --shard
-I/N --data-parallel K`` on each of N nodes writes parts ``0 .. N*K-1`` of ``N*K``, and a node
-that resumes its share with another ``K`` (or none) still captures the same keys.
+``extract --shard I/N`` captures part ``I`` of ``N``; the ``--data-parallel`` jobs of one host do not
+split it further by key but share its batches (:mod:`hscapture.extract`), since a static split of a
+few thousand samples is uneven. Parts of different counts still combine: parts ``I + N*j`` of
+``N*K`` (``j < K``) together hold exactly part ``I`` of ``N`` (a residue modulo ``N*K`` fixes the
+residue modulo ``N``), and :func:`coverage` checks any collection of parts against the key space.
 """
 
 from __future__ import annotations
@@ -71,12 +71,6 @@ class Part:
         """Whether some key belongs to both parts (by the Chinese remainder theorem: their indices agree
         modulo the greatest common divisor of their counts)."""
         return (self.index - other.index) % math.gcd(self.count, other.count) == 0
-
-    def split(self, k: int) -> list[Part]:
-        """The ``k`` parts of ``count * k`` that together hold exactly this part (see the module docstring)."""
-        if k < 1:
-            raise ValueError(f"split: {k} sub-parts; give at least 1")
-        return [Part(self.index + self.count * j, self.count * k) for j in range(k)]
 
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"

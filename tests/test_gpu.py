@@ -345,15 +345,16 @@ def test_extraction_batches_never_wait_for_the_gpu_in_our_code(
     import warnings
 
     import hscapture
-    from hscapture.data import load_samples
+    from hscapture.data import load_samples, plan_batches
     from hscapture.integrations.hf import HFExtraction
     from hscapture.tiny import write_demo_jsonl
 
     engine = HFExtraction(tiny_model, None, True, None, "cuda", 1024, 64, 64)
     try:
-        batches = engine.plan(list(load_samples(write_demo_jsonl(tmp_path / "demo.jsonl", n=40), engine.tokenizer)))
+        samples = list(load_samples(write_demo_jsonl(tmp_path / "demo.jsonl", n=40), engine.tokenizer))
+        batches = plan_batches(samples, 1024, 64, 64)
         consumer = start_consumer(tmp_path / "store", endpoint, "--exit-on-eos")
-        engine.start(endpoint, {}, lambda: None)
+        engine.start(endpoint, {}, lambda: None, max(len(s.input_ids) for s in samples))
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:

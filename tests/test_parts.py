@@ -1,6 +1,7 @@
 """One dataset from many jobs: ``extract --shard I/N``, ``--data-parallel K``, and stores read as one set.
 
 The split jobs run as real ``hscapture extract`` processes (two at once, one of them SIGKILLed and
+resumed; ``--data-parallel`` jobs sharing one queue of batches, one of them SIGKILLed and the set
 resumed) and are compared with one unsharded extraction of the same data, row for row.
 
 Why the rows can be compared bit for bit although the batches differ: on this CPU the tiny
@@ -23,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -107,10 +109,10 @@ def test_sub_parts_hold_exactly_their_part_and_coverage_finds_gaps_and_overlaps(
         for k in (1, 2, 4):
             for part in (Part(i, count) for i in range(count)):
                 mine = {key for key in keys if part.owns(key)}
-                subs = [{key for key in keys if sub.owns(key)} for sub in part.split(k)]
+                split = [Part(part.index + count * j, count * k) for j in range(k)]  # its sub-parts
+                subs = [{key for key in keys if sub.owns(key)} for sub in split]
                 assert set().union(*subs) == mine and sum(map(len, subs)) == len(mine), (part, k)
-                assert not coverage([*part.split(k), *(Part(j, count) for j in range(count) if j != part.index)])[0]
-    assert [len(Part(i, 4).split(1)) for i in range(4)] == [1] * 4
+                assert not coverage([*split, *(Part(j, count) for j in range(count) if j != part.index)])[0]
     sizes = [sum(Part(i, 4).owns(key) for key in keys) for i in range(4)]
     assert min(sizes) > 0.8 * len(keys) / 4, sizes  # an even split
     missing, doubled = coverage([Part(0, 2), Part(1, 4)])
@@ -196,45 +198,141 @@ def test_two_shard_jobs_at_once_one_killed_and_resumed_equal_one_unsharded_job(
     assert not {tuple(s.key for s in b) for b in plan_batches(mine, BATCH_TOKENS, 64)} & batches
 
 
-def test_data_parallel_runs_one_job_per_part_under_one_bar(
-    tiny_model: Path, equal_data: Path, unsharded: Path, tmp_path: Path
+def complete_ids(store: Path) -> list[str]:
+    return [r["id"] for r in request_lines(store) if r["status"] == "complete"]
+
+
+def test_data_parallel_jobs_share_the_batches_under_one_bar(
+    tiny_model: Path, equal_data: Path, unsharded: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    """Two jobs take batches from one queue: each store holds some, no key is in both, together they are the
+    unsharded job's rows. The consumers are slowed (100 ms a slot) so that both jobs are loaded long before the
+    batches run out, whichever loads first."""
     out = tmp_path / "parallel"
-    done = finished(*extract_args(tiny_model, equal_data, out, "--data-parallel", "2"))
-    assert done.returncode == 0, done.stderr
-    assert f"captured {RECORDS} samples" in done.stdout
-    assert f"store {out} (2 parts): {RECORDS} complete samples" in done.stdout
-    updates = done.stderr.replace("\n", "\r").split("\r")
-    joint = [u for u in updates if "part-0-of-2: samples=" in u and "part-1-of-2: samples=" in u]
+    options = ExtractOptions(
+        out=out, model=tiny_model, data=equal_data, max_length=MAX_LENGTH, max_batch_tokens=BATCH_TOKENS,
+        shard_bytes=32 * 1024, data_parallel=2, consumer_args=["--delay-ms", "100"],
+    )  # fmt: skip
+    summary = extract(options)
+    updates = capfd.readouterr().err.replace("\n", "\r").split("\r")
+    assert summary.samples == RECORDS and summary.store["complete"] == RECORDS and summary.store["parts"] == 2
+    assert sorted(p.name for p in out.iterdir()) == ["dp0", "dp1"]
+    captured = [complete_ids(out / name) for name in ("dp0", "dp1")]
+    assert all(captured), f"a job took no batch: {list(map(len, captured))}"
+    assert not set(captured[0]) & set(captured[1]) and sum(map(len, captured)) == RECORDS, "each key by one job"
+    assert [job.samples for job in summary.jobs] == list(map(len, captured))
+    for j, name in enumerate(("dp0", "dp1")):
+        assert [run["meta"]["job"] for run in open_store(out / name).metadata()["runs"]] == [j]
+        assert "part" not in open_store(out / name).metadata()["runs"][0]["meta"]
+    joint = [u for u in updates if "dp0: samples=" in u and "dp1: samples=" in u]
     assert joint and "100%" in joint[-1], updates[-3:]
-    assert sorted(p.name for p in out.iterdir()) == ["part-0-of-2", "part-1-of-2"]
-    assert_same_rows(open_store(out), open_store(unsharded), open_store(unsharded).keys())
-    again = finished(*extract_args(tiny_model, equal_data, out, "--data-parallel", "2", "--no-progress"))
+    together = open_store(out)
+    assert isinstance(together, StoreSet) and together.problems == [] and together.duplicates == {}
+    assert_same_rows(together, open_store(unsharded), open_store(unsharded).keys())
+    again = finished(*extract_args(tiny_model, equal_data, out, "--data-parallel", "3", "--no-progress"))
     assert again.returncode == 0 and "nothing to capture" not in again.stderr, again.stderr
     assert "captured 0 samples" in again.stdout and f"{RECORDS} were already there" in again.stdout
+    assert f"store {out} (2 parts): {RECORDS} complete samples" in again.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["dp0", "dp1"], "a rerun with nothing left starts no job"
 
 
-def test_a_failing_part_stops_the_others_with_its_error(tiny_model: Path, tmp_path: Path, unsharded: Path) -> None:
-    """Part 1's store was made for another model: its consumer refuses the run; part 0 stops, its store finished."""
+def test_shards_of_data_parallel_jobs_share_one_out(
+    tiny_model: Path, equal_data: Path, unsharded: Path, tmp_path: Path
+) -> None:
+    """Two nodes' commands at once (--shard 0/2 and 1/2, two jobs each) into one OUT: flat stores, one set."""
+    out = tmp_path / "nodes"
+    argv = [extract_args(tiny_model, equal_data, out, "--shard", f"{i}/2", "--data-parallel", "2") for i in range(2)]
+    nodes = [
+        run_cli(*args, "--no-progress", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in argv
+    ]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=300)
+        assert node.returncode == 0, stderr
+    names = ["part-0-of-2-dp0", "part-0-of-2-dp1", "part-1-of-2-dp0", "part-1-of-2-dp1"]
+    assert sorted(p.name for p in out.iterdir()) == names
+    for name in names:
+        part = Part.parse(name[5:11].replace("-of-", "/"))
+        store = open_store(out / name)
+        assert all(part.owns(key) for key in store)
+        assert {(run["meta"]["part"], run["meta"]["job"]) for run in store.metadata()["runs"]} == {
+            (str(part), int(name[-1]))
+        }
+    together = open_store(out)
+    assert [p.root.name for p in together.parts] == names
+    assert together.problems == [] and together.duplicates == {}
+    assert_same_rows(together, open_store(unsharded), open_store(unsharded).keys())
+    assert verify_set([out]).ok and finished("verify", out).returncode == 0
+    report = json.loads(finished("inspect", out, "--json").stdout)
+    assert report["requests"] == RECORDS and report["duplicates"] == 0 and len(report["parts"]) == 4
+
+
+def job_of(out: Path, store: str, timeout_s: float = 180) -> psutil.Process:
+    """The job process writing ``out/store``: the parent of the consumer process that writes it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for process in psutil.process_iter(["cmdline"]):
+            if str(out / store) in (process.info["cmdline"] or []) and "consume" in process.info["cmdline"]:
+                return process.parent()
+        time.sleep(0.05)
+    raise AssertionError(f"no consumer writes {out / store}")
+
+
+def test_a_killed_data_parallel_job_stops_the_others_and_a_rerun_completes_the_set(
+    tiny_model: Path, equal_data: Path, unsharded: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "killed"
+    running = run_cli(
+        *extract_args(tiny_model, equal_data, out, "--data-parallel", "2", "--no-progress"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    job = job_of(out, "dp0")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and running.poll() is None and len(request_lines(out / "dp0")) < 8:
+        time.sleep(0.02)
+    assert running.poll() is None, "the run finished before its job could be killed"
+    job.send_signal(signal.SIGKILL)
+    _, stderr = running.communicate(timeout=300)
+    assert running.returncode == 1 and "hscapture extract: failed: dp0: its process exited with status -9" in stderr
+    before = [complete_ids(out / name) for name in ("dp0", "dp1")]
+    assert len(before[0]) >= 8 and sum(map(len, before)) < RECORDS
+    assert open_store(out / "dp1").metadata()["runs"][-1]["end"] is not None, "dp1 was not let finish its store"
+
+    resumed = finished(*extract_args(tiny_model, equal_data, out, "--data-parallel", "2", "--no-progress"))
+    assert resumed.returncode == 0, resumed.stderr
+    done = sum(map(len, before))
+    assert f"resuming {out}: {done} samples already captured, {RECORDS - done} to go" in resumed.stderr
+    after = [complete_ids(out / name) for name in ("dp0", "dp1")]
+    assert sum(map(len, after)) == RECORDS and len(set(after[0] + after[1])) == RECORDS, "a sample captured twice"
+    together = open_store(out)
+    assert together.problems == [] and together.duplicates == {}
+    assert_same_rows(together, open_store(unsharded), open_store(unsharded).keys())
+
+
+def test_a_failing_job_stops_the_others_with_its_error(tiny_model: Path, tmp_path: Path, unsharded: Path) -> None:
+    """Job 1's store was made for another model: its consumer refuses the run; job 0 stops, its store finished."""
     data = write_demo_jsonl(tmp_path / "long.jsonl", n=400)
     out = tmp_path / "failing"
-    foreign = out / "part-1-of-2"
+    foreign = out / "dp1"
     foreign.mkdir(parents=True)
     meta = json.loads((unsharded / "meta.json").read_text())
     (foreign / "meta.json").write_text(json.dumps({**meta, "hidden_size": 999}))
     done = finished("extract", "--model", tiny_model, "--data", data, "--out", out, "--data-parallel", "2")
     assert done.returncode == 1, done.stderr
-    assert "hscapture extract: failed: part-1-of-2: " in done.stderr, done.stderr
-    stopped = open_store(out / "part-0-of-2")
-    share = sum(Part(0, 2).owns(f"demo-{i:05d}") for i in range(400))
-    assert len(stopped.keys(complete_only=True)) < share
-    assert stopped.metadata()["runs"][-1]["end"] is not None, "part 0's store was not finished"
+    assert "hscapture extract: failed: dp1: " in done.stderr, done.stderr
+    stopped = open_store(out / "dp0")
+    assert len(stopped.keys(complete_only=True)) < 400
+    assert stopped.metadata()["runs"][-1]["end"] is not None, "job 0's store was not finished"
 
 
 def test_bad_splits_and_layouts_fail_fast(tiny_model: Path, equal_data: Path, unsharded: Path, tmp_path: Path) -> None:
     base = ["extract", "--model", tiny_model, "--data", equal_data, "--no-progress"]
     parts = tmp_path / "parts"
     (parts / "part-0-of-2").mkdir(parents=True)
+    shared = tmp_path / "shared"
+    (shared / "part-0-of-2-dp1").mkdir(parents=True)
+    static = "holds part 0/2 of the data, captured by one `--shard 0/2` job; this command (--data-parallel 2)"
+    static_how = "`--shard 0/2` alone (one job writing OUT/part-0-of-2), and so for each such part"
+    jobs = "holds part 0/2 of the data, captured by `--shard 0/2 --data-parallel` jobs; this command (--shard 0/2)"
     cases = [
         ([*base, "--out", tmp_path / "a", "--shard", "2/2"], "--shard: part 2/2: the part index must be 0..1"),
         ([*base, "--out", tmp_path / "a", "--shard", "one"], "--shard: 'one' is not I/N"),
@@ -243,7 +341,13 @@ def test_bad_splits_and_layouts_fail_fast(tiny_model: Path, equal_data: Path, un
         ([*base, "--out", tmp_path / "a", "--data-parallel", "2", "--device", "cuda"], "no CUDA device is visible"),
         ([*base, "--out", unsharded, "--shard", "0/2"], "is the store of an extraction without --shard"),
         ([*base, "--out", parts], "holds the parts of a split extraction (part-0-of-2)"),
-        ([*base, "--out", parts, "--shard", "0/4"], "part-0-of-2 (part 0/2 of another split of the data) holds keys"),
+        ([*base, "--out", parts, "--shard", "0/4"], "part-0-of-2 holds part 0/2 of the data, captured by one"),
+        ([*base, "--out", parts, "--data-parallel", "2"], static),
+        ([*base, "--out", parts, "--data-parallel", "2"], static_how),
+        ([*base, "--out", parts, "--shard", "0/2", "--data-parallel", "2"], "(--shard 0/2 --data-parallel 2)"),
+        ([*base, "--out", shared, "--shard", "0/2"], jobs),
+        ([*base, "--out", shared, "--shard", "0/2"], "with `--shard 0/2 --data-parallel K` (any K)"),
+        ([*base, "--out", shared, "--data-parallel", "2"], "this command (--data-parallel 2) would capture its keys"),
     ]
     if torch.cuda.is_available():  # on a GPU host: one GPU says "1 GPUs visible", two or more run
         cases = [case for case in cases if "no CUDA device" not in case[1]]
@@ -258,13 +362,14 @@ def test_bad_splits_and_layouts_fail_fast(tiny_model: Path, equal_data: Path, un
 
 @pytest.fixture(scope="module")
 def parts_dir(tiny_model: Path, tiny_demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """conftest's tiny_store data, extracted by two jobs at once: a directory of two parts."""
+    """conftest's tiny_store data, extracted by two --shard jobs: a directory of two static parts."""
     out = tmp_path_factory.mktemp("parts") / "set"
-    options = ExtractOptions(
-        out=out, model=tiny_model, data=tiny_demo_data, max_batch_tokens=1024, data_parallel=2, progress=False
-    )
-    summary = extract(options)
-    assert summary.store["parts"] == 2 and summary.store["complete"] == summary.samples
+    for shard in ("0/2", "1/2"):
+        options = ExtractOptions(
+            out=out, model=tiny_model, data=tiny_demo_data, max_batch_tokens=1024, shard=shard, progress=False
+        )
+        assert extract(options).store["complete"] > 0
+    assert StoreSet([out]).summary()["parts"] == 2
     return out
 
 

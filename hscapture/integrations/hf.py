@@ -28,7 +28,7 @@ from torch import nn
 
 from hscapture.config import DTYPES, CaptureConfig, MiB, check_layer_ids, dtype_name
 from hscapture.config import eagle3_default_layers as eagle3_default_layers  # extract and tests import it here
-from hscapture.data import Sample, check_batching, loss_mask_ranges, pad_batch, padded_length, plan_batches
+from hscapture.data import Sample, check_batching, loss_mask_ranges, pad_batch, padded_length
 from hscapture.errors import HSCaptureError
 from hscapture.producer import Producer
 
@@ -302,17 +302,14 @@ class HFExtraction:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.meta: dict[str, Any] = {"engine": "hf", "model": str(path), "dtype": self.dtype}
         self.producer: Producer | None = None
-        self._longest = 1
         # The device's progress: one event per batch, recorded after its rows were written (CUDA only).
         self._batch_done: deque[torch.cuda.Event] = deque()
 
-    def plan(self, samples: Sequence[Sample]) -> list[list[Sample]]:
-        self._longest = max(len(s.input_ids) for s in samples)
-        return plan_batches(samples, self.max_batch_tokens, self.max_batch_size, self.pad_to_multiple)
-
-    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None], longest: int) -> None:
+        """Start the producer, its ring sized for a batch of ``max_batch_tokens`` or one sample of ``longest``
+        tokens (a longer sample runs alone), and wait until the consumer on ``endpoint`` attached."""
         capture = self.capture
-        config = self.capture_config(endpoint, max(self.max_batch_tokens, self._longest))
+        config = self.capture_config(endpoint, max(self.max_batch_tokens, longest))
         descriptions = describe(capture.layers, capture.capture_last, capture.num_layers)
         run_meta = {**self.meta, **meta}
         self.producer = Producer(config, tensor_descriptions=descriptions, meta=run_meta, watchdog=watchdog)

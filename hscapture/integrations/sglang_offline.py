@@ -105,10 +105,9 @@ class SGLangExtraction:
         self.engine: Any = None
         self._watchdog: Callable[[], None] = lambda: None
 
-    def plan(self, samples: Sequence[Sample]) -> list[list[Sample]]:
-        return [list(samples[i : i + self.max_batch_size]) for i in range(0, len(samples), self.max_batch_size)]
-
-    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None], longest: int) -> None:
+        """Start ``sglang.Engine`` with the plugin capturing to ``endpoint`` (SGLang sizes its own batches: ``longest``
+        is not needed)."""
         if self.device == "cpu":
             use_cpu_host_env()
         self._watchdog = watchdog

@@ -1,18 +1,21 @@
-"""Many stores read as one dataset: the parts of a split extraction, ``serve``'s DP groups, or a list.
+"""Many stores read as one dataset: the stores of a split extraction, ``serve``'s DP groups, or a list.
 
 ``open_store(path)`` opens a store directory as a :class:`~hscapture.store.reader.Store`. A directory
-that is no store but holds parts, subdirectories named ``part-<i>-of-<n>`` (``hscapture extract
---shard`` / ``--data-parallel``) or ``dp<rank>`` (``hscapture serve`` with SGLang data parallelism),
-opens as a :class:`StoreSet`, and so does a list of store directories (or of directories of parts).
-A set reads like one store (``keys``, ``get``, ``record``, ``metadata``, ``summary``); its parts
-must have captured the same tensors the same way (equal ``meta.json``).
+that is no store but holds parts opens as a :class:`StoreSet`, and so does a list of store directories
+(or of directories of parts). Its parts are the subdirectories named ``part-<i>-of-<n>`` (``hscapture
+extract --shard I/N``: one job's static part), ``dp<j>`` (job ``j`` of ``extract --data-parallel K``,
+or DP group ``j`` of ``hscapture serve``), or ``part-<i>-of-<n>-dp<j>`` (job ``j`` of ``extract --shard
+I/N --data-parallel K``: the K jobs' stores together hold part ``I`` of ``N``). A set reads like one
+store (``keys``, ``get``, ``record``, ``metadata``, ``summary``); its parts must have captured the same
+tensors the same way (equal ``meta.json``).
 
 A key held by two parts is served once, never twice (a complete copy before an incomplete one,
 else the first part's), and reported: in ``duplicates`` and ``problems``, in a warning when the set
 opens, by ``hscapture inspect``, and by ``hscapture verify``, which fails. So are the gaps of a split
 (:mod:`hscapture.partition`): keys that no part holds (a job not run yet, a part not copied in) or
-that two parts of different splits both hold. A part's split is what its runs recorded
-(``meta.part``, e.g. ``"1/4"``), else what its directory name says.
+that stores of two different splits both hold. A store's split is what its runs recorded
+(``meta.part``, e.g. ``"1/4"``), else what its directory name says; several stores that hold one
+split part (the ``-dp<j>`` stores of one ``--shard I/N``) are one holder of it.
 """
 
 from __future__ import annotations
@@ -35,19 +38,24 @@ from hscapture.store.verify import ShardCheck, VerifyReport, format_report, veri
 
 log = logging.getLogger(__name__)
 
-PART_DIR = re.compile(r"part-(\d+)-of-(\d+)")
+PART_DIR = re.compile(r"part-(\d+)-of-(\d+)(?:-dp(\d+))?")
 DP_DIR = re.compile(r"dp(\d+)")
 #: Duplicate keys and other problems named one by one (the rest are counted).
 SHOWN = 5
 
 
-def part_dir(part: Part) -> str:
-    """The directory name of a part of a split extraction: ``part-<i>-of-<n>``."""
-    return f"part-{part.index}-of-{part.count}"
+def part_dir(part: Part | None, job: int | None = None) -> str:
+    """The directory name of a store of a split extraction: ``part-<i>-of-<n>`` (an ``extract --shard`` job),
+    ``dp<j>`` (job ``j`` of ``--data-parallel``) or ``part-<i>-of-<n>-dp<j>`` (job ``j`` of both)."""
+    if part is None:
+        if job is None:
+            raise ValueError("part_dir: give a part, a job or both")
+        return f"dp{job}"
+    return f"part-{part.index}-of-{part.count}" + (f"-dp{job}" if job is not None else "")
 
 
 def named_part(path: Path) -> Part | None:
-    """The split part a directory name says it holds (None for ``dp<rank>`` and other names)."""
+    """The split part a directory name says it holds (None for ``dp<j>`` and other names)."""
     match = PART_DIR.fullmatch(path.name)
     if match is None:
         return None
@@ -57,26 +65,33 @@ def named_part(path: Path) -> Part | None:
         return None
 
 
+def named_job(path: Path) -> int | None:
+    """The job index a directory name gives (``dp<j>``, ``part-<i>-of-<n>-dp<j>``), None for other names."""
+    match = PART_DIR.fullmatch(path.name) or DP_DIR.fullmatch(path.name)
+    job = match.groups()[-1] if match is not None else None
+    return int(job) if job is not None else None
+
+
 def is_store(path: str | Path) -> bool:
     return (Path(path) / META_FILE).is_file()
 
 
 def part_dirs(path: str | Path) -> list[Path]:
-    """The subdirectories of ``path`` named as parts, stores or not yet: ``part-<i>-of-<n>`` by ``(n, i)``,
-    then ``dp<rank>`` by rank."""
+    """The subdirectories of ``path`` named as parts, stores or not yet: ``part-<i>-of-<n>`` then its
+    ``-dp<j>`` stores, by ``(n, i, j)``; then ``dp<j>`` by ``j``."""
     root = Path(path)
     if not root.is_dir():
         return []
-    split: list[tuple[int, int, Path]] = []
+    split: list[tuple[int, int, int, Path]] = []
     groups: list[tuple[int, Path]] = []
     for child in root.iterdir():
         if not child.is_dir():
             continue
-        part = named_part(child)
+        part, job = named_part(child), named_job(child)
         if part is not None:
-            split.append((part.count, part.index, child))
-        elif (match := DP_DIR.fullmatch(child.name)) is not None:
-            groups.append((int(match.group(1)), child))
+            split.append((part.count, part.index, -1 if job is None else job, child))
+        elif job is not None and DP_DIR.fullmatch(child.name):
+            groups.append((job, child))
     return [p for *_, p in sorted(split)] + [p for _, p in sorted(groups)]
 
 
@@ -243,8 +258,8 @@ def _expand(paths: list[Path]) -> tuple[list[Path], list[Path]]:
         inside = part_dirs(path)
         if not inside:
             raise StoreError(
-                f"{path}: no {META_FILE} and no parts (part-<i>-of-<n>, dp<rank>) in it; not an hscapture store "
-                "or a directory of stores (or nothing was captured yet)"
+                f"{path}: no {META_FILE} and no parts (part-<i>-of-<n>, dp<j>, part-<i>-of-<n>-dp<j>) in it; not an "
+                "hscapture store or a directory of stores (or nothing was captured yet)"
             )
         for part in inside:
             (stores if is_store(part) else empty).append(part)
@@ -286,7 +301,7 @@ def _problems(parts: list[Store], empty: list[Path], duplicates: dict[str, list[
             problems.append(f"{root}: holds part {split}, as its runs recorded, not the part its name says")
     if splits:
         pending = {p for path in empty if (p := named_part(path)) is not None}
-        missing, doubled = coverage(splits.values())
+        missing, doubled = coverage(dict.fromkeys(splits.values()))  # the stores of one part: one holder
         unexplained = [m for m in missing if not any(m.index % p.count == p.index for p in pending)]
         if unexplained:
             shown = ", ".join(part_dir(m) for m in unexplained[:SHOWN])
@@ -297,7 +312,7 @@ def _problems(parts: list[Store], empty: list[Path], duplicates: dict[str, list[
         for share, holders in doubled[:SHOWN]:
             names = " and ".join(str(root) for root, split in splits.items() if split in holders)
             problems.append(
-                f"{names} both hold the keys of {part_dir(share)}: two splits of the data, or one part twice"
+                f"{names} each hold the keys of {part_dir(share)}: stores of two different splits of the data"
             )
     if duplicates:
         key, held = next(iter(duplicates.items()))
