@@ -93,40 +93,14 @@ class SyncCapture(SGLangCapture):
         self.producer.capture_step(states, rids, counts, positions, tokens)
 
 
-@contextlib.contextmanager
-def one_launch(producer: Producer) -> Iterator[None]:
-    """While inside: a whole step of side-by-side states goes into its slot with one ``torch.cat`` launch."""
-
-    def write(
-        slot: int,
-        states: Sequence[torch.Tensor],
-        spans: tuple[int, ...],
-        row_index: torch.Tensor | None,
-        begin: int,
-        count: int,
-    ) -> None:
-        if row_index is not None or begin or count != states[0].shape[0]:
-            return Producer._write(producer, slot, states, spans, row_index, begin, count)
-        planes, _ = producer._targets(slot, count, spans)  # [tensors, rows, hidden]; cat writes [rows, tensors, hidden]
-        hidden = producer.config.hidden_size
-        torch.cat([state.view(count, -1, hidden) for state in states], dim=1, out=planes.transpose(0, 1))
-
-    producer._write = write  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del producer._write
+WholeStep = Callable[[torch.Tensor, Sequence[torch.Tensor], tuple[int, ...], int], None]
 
 
 @contextlib.contextmanager
-def plane_copies(producer: Producer) -> Iterator[None]:
-    """While inside (CUDA ring): a whole step goes into its slot by one ``cudaMemcpy2DAsync`` per captured tensor's
-    plane, through cupy's runtime API on torch's current stream: no torch dispatch, no reshape."""
-    from cupy.cuda import runtime
-
-    item, hidden = producer.config.itemsize, producer.config.hidden_size
-    width, device_to_device = hidden * item, runtime.memcpyDeviceToDevice
-    raw_stream = torch._C._cuda_getCurrentRawStream
+def whole_steps_by(producer: Producer, fast: WholeStep) -> Iterator[None]:
+    """While inside: a whole step of dense states (no row index, one slot, rows contiguous) goes into its slot
+    by ``fast(planes, states, spans, rows)`` (``planes``: the slot's ``[tensors, rows, hidden]``); any other
+    write is the producer's own."""
 
     def write(
         slot: int,
@@ -138,7 +112,36 @@ def plane_copies(producer: Producer) -> Iterator[None]:
     ) -> None:
         if row_index is not None or begin or count != states[0].shape[0] or any(s.stride(1) != 1 for s in states):
             return Producer._write(producer, slot, states, spans, row_index, begin, count)
-        planes, _ = producer._targets(slot, count, spans)
+        fast(producer._targets(slot, count, spans)[0], states, spans, count)
+
+    producer._write = write  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del producer._write
+
+
+def one_launch(producer: Producer) -> contextlib.AbstractContextManager[None]:
+    """A whole step of side-by-side states goes into its slot with one ``torch.cat`` launch."""
+    hidden = producer.config.hidden_size
+
+    def cat(planes: torch.Tensor, states: Sequence[torch.Tensor], spans: tuple[int, ...], count: int) -> None:
+        # planes is [tensors, rows, hidden]; cat writes [rows, tensors, hidden]
+        torch.cat([state.view(count, -1, hidden) for state in states], dim=1, out=planes.transpose(0, 1))
+
+    return whole_steps_by(producer, cat)
+
+
+def plane_copies(producer: Producer) -> contextlib.AbstractContextManager[None]:
+    """(CUDA ring) A whole step goes into its slot by one ``cudaMemcpy2DAsync`` per captured tensor's plane,
+    through cupy's runtime API on torch's current stream: no torch dispatch, no reshape."""
+    from cupy.cuda import runtime
+
+    item, hidden = producer.config.itemsize, producer.config.hidden_size
+    width, device_to_device = hidden * item, runtime.memcpyDeviceToDevice
+    raw_stream = torch._C._cuda_getCurrentRawStream
+
+    def copies(planes: torch.Tensor, states: Sequence[torch.Tensor], spans: tuple[int, ...], count: int) -> None:
         dst, plane, stream = planes.data_ptr(), count * width, raw_stream(planes.device.index)
         for state, k in zip(states, spans):
             src, pitch = state.data_ptr(), state.stride(0) * item
@@ -146,11 +149,7 @@ def plane_copies(producer: Producer) -> Iterator[None]:
                 runtime.memcpy2DAsync(dst, width, src + j * width, pitch, width, count, device_to_device, stream)
                 dst += plane
 
-    producer._write = write  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del producer._write
+    return whole_steps_by(producer, copies)
 
 
 def check_variant(
