@@ -370,12 +370,9 @@ class Producer:
 
     def _announce_step(self, step: WrittenStep, positions: np.ndarray, token_ids: np.ndarray) -> int:
         for slot, begin, count in step.slots:
-            if count == step.rows:  # the whole step in one slot: the usual decode step, nothing to cut
-                self._hold_chunk(slot, count, 0, step.request_ids, step.request_rows, positions, token_ids, step.step)
-            else:
-                end = begin + count
-                ids, counts = _spans(step.request_ids, step.request_rows, begin, end, step.rows)
-                self._hold_chunk(slot, count, 0, ids, counts, positions[begin:end], token_ids[begin:end], step.step)
+            end = begin + count
+            ids, counts = _spans(step.request_ids, step.request_rows, begin, end, step.rows)  # a whole step: as is
+            self._hold_chunk(slot, count, 0, ids, counts, positions[begin:end], token_ids[begin:end], step.step)
             del self._written[slot]
         step.slots = []
         if len(self._held) >= _FLUSH_CHUNKS:
