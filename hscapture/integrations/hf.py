@@ -35,15 +35,20 @@ from hscapture.producer import Producer
 LAST = "last"
 
 
+def decoder(model: nn.Module) -> nn.Module:
+    """A causal LM's decoder stack (embeddings, decoder layers, final norm): the model without its LM head."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+
+
 def decoder_parts(model: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
     """The decoder layer list and the final norm of a transformers causal LM.
 
     Raises:
         TypeError: the model does not expose ``get_decoder().layers`` and ``.norm``.
     """
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers = getattr(decoder, "layers", None)
-    norm = getattr(decoder, "norm", None)
+    stack = decoder(model)
+    layers = getattr(stack, "layers", None)
+    norm = getattr(stack, "norm", None)
     if not isinstance(layers, nn.ModuleList) or norm is None:
         raise TypeError(
             f"{type(model).__name__}: expected a decoder with `.layers` (ModuleList) and a final `.norm`, "
@@ -231,22 +236,28 @@ def forward_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extraction's forward call over one batch, right-padded as :func:`~hscapture.data.padded_length` says.
 
-    The one code path for ``hscapture extract``'s forward and the extract benchmark's plain forward
-    (the same batches, padding and copies, no hooks), so that their ratio is the capture's cost alone.
+    It runs what extraction needs and nothing else:
+
+    * the decoder alone (:func:`decoder`): hidden states, no logits; the LM head is ~5 % of an 8B
+      Llama's forward and far more of a small model's with a large vocabulary;
+    * no attention mask: padding sits right of every real token, and in a causal decoder row ``i``
+      reads rows ``<= i`` only, so padding never reaches a real row (the real rows are a masked
+      forward's, up to the attention kernel's rounding). Unmasked, PyTorch's SDPA runs its flash
+      kernel; a masked call takes cuDNN's, which plans each new shape once (~50 ms on an H200), or
+      the memory-efficient one, 5-15 % slower per call (``benchmarks/README.md``, suite ``extract``).
+
+    Also the extract benchmark's forward without capture, so that their ratio is the capture's cost alone.
     The inputs are built on the host and copied with ``non_blocking=True``: a pageable source is
     staged by the driver, with no device synchronization.
 
     Returns:
-        The host ``(input_ids, attention_mask)`` the model was given, both ``[B, T]``.
+        The host ``(input_ids, attention_mask)`` of the padded batch, both ``[B, T]`` (the mask says
+        which rows are real).
     """
     device = next(model.parameters()).device
     input_ids, attention_mask = pad_batch(batch, pad_id, padded_length(batch, pad_to_multiple, max_batch_tokens))
     with torch.inference_mode():
-        model(
-            input_ids=input_ids.to(device, non_blocking=True),
-            attention_mask=attention_mask.to(device, non_blocking=True),
-            use_cache=False,
-        )
+        decoder(model)(input_ids=input_ids.to(device, non_blocking=True), use_cache=False)
     return input_ids, attention_mask
 
 
@@ -255,8 +266,8 @@ class HFExtraction:
 
     Each batch is one forward call; its real rows go to a block-policy producer (padding rows are
     never announced) and each sample is finished with its loss mask. Batches are padded to a
-    multiple of ``pad_to_multiple`` tokens, so a run meets few distinct shapes (a fresh process pays
-    a one-time cost for each new one; ``benchmarks/sdpa_shapes.py`` measures attention's share).
+    multiple of ``pad_to_multiple`` tokens, so a run meets few distinct shapes, and run through the decoder
+    alone, unmasked (:func:`forward_batch`).
     The host never waits for the device inside a batch: inputs and the kept-row index go over with
     non-blocking copies built from host values, so the host queues batch N+1 while the device runs
     batch N. It does wait, before writing a batch's rows, until the device has finished the batch
