@@ -58,7 +58,7 @@ from benchmarks.report import ROOT, Outcome, SuiteSpec
 from hscapture import open_store
 from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
 from hscapture.extract import ExtractOptions
-from hscapture.integrations.hf import forward_batch, load_model
+from hscapture.integrations.hf import AttentionKernels, forward_batch, load_model
 from hscapture.tiny import demo_conversations, ensure_tiny_model
 
 GOAL = 0.9
@@ -149,6 +149,7 @@ class PlainForward:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.pad_to_multiple, self.max_batch_tokens = pad_to_multiple, max_batch_tokens
         self.device = next(self.model.parameters()).device
+        self.kernels = AttentionKernels(self.model) if bare and self.device.type == "cuda" else None  # as extract
         self.figures = {
             "pad_to_multiple": pad_to_multiple,
             "samples": len(samples),
@@ -159,12 +160,12 @@ class PlainForward:
         }
 
     def seconds(self) -> float:
-        """One pass over every batch through extract's own forward call, to a synchronize after the last."""
+        """One pass over every batch (the plain HF call, or extract's own: ``bare``), to a synchronize after it."""
         self._sync()
         started = time.perf_counter()
         for batch in self.batches:
             if self.bare:
-                forward_batch(self.model, batch, self.pad_id, self.pad_to_multiple, self.max_batch_tokens)
+                forward_batch(self.model, batch, self.pad_id, self.pad_to_multiple, self.max_batch_tokens, self.kernels)
                 continue
             input_ids, attention_mask = pad_batch(
                 batch, self.pad_id, padded_length(batch, self.pad_to_multiple, self.max_batch_tokens)

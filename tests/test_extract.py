@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hscapture import open_store
 from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
 from hscapture.extract import ExtractOptions, extract
-from hscapture.integrations.hf import eagle3_default_layers
+from hscapture.integrations.hf import AttentionKernels, decoder, eagle3_default_layers, forward_batch
 from hscapture.tiny import write_demo_jsonl
 
 BATCH_TOKENS = 1024
@@ -96,6 +97,46 @@ def test_store_matches_one_sample_forward_within_bf16_tolerance(
         worst = max(worst, relative_l2(got["last"], hidden[-1][0]))
     print(f"worst relative L2 batched vs single: {worst:.5f}")
     assert worst < 2e-2, f"relative L2 {worst:.4f} between batched and single-sample forward"
+
+
+def test_extract_forward_is_the_masked_forward_on_every_real_row(model_and_tokenizer: tuple, demo_data: Path):
+    """Extract runs the decoder alone, unmasked: right padding never reaches a real row of a causal decoder."""
+    model, tokenizer = model_and_tokenizer
+    batch = list(load_samples(demo_data, tokenizer))[:4]
+    assert len({len(s.input_ids) for s in batch}) > 1  # really padded
+    seen: list[tuple[torch.Tensor, ...]] = []
+    handle = decoder(model).register_forward_hook(lambda _m, _a, out: seen.append(out.hidden_states))
+    try:
+        with torch.inference_mode():
+            model.config.output_hidden_states = True
+            input_ids, mask = forward_batch(model, batch, tokenizer.pad_token_id, PAD_TO, BATCH_TOKENS)
+            masked = model(input_ids=input_ids, attention_mask=mask).hidden_states
+    finally:
+        model.config.output_hidden_states = False
+        handle.remove()
+    unmasked = seen[0]  # forward_batch's call (the masked model's own call to its decoder came second)
+    assert len(seen) == 2 and not bool(mask.all())
+    for i, sample in enumerate(batch):
+        n = len(sample.input_ids)
+        for k in range(len(masked)):
+            assert relative_l2(unmasked[k][i, :n], masked[k][i, :n]) < 1e-3, (sample.key, k)
+
+
+def test_cudnn_attention_only_for_shapes_that_earn_its_plan() -> None:
+    """Ski rental over each shape: flash until cuDNN's saving would have paid its one-time plan, then cuDNN."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):  # 8B dims, no weights
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32))
+    kernels = AttentionKernels(model)
+
+    def planned(batch: int, tokens: int) -> bool:
+        return isinstance(kernels(batch, tokens), contextlib.nullcontext)
+
+    assert [planned(1, 32768) for _ in range(3)] == [False, True, True]  # 32k tokens: paid back in one batch
+    short = [planned(4, 1024) for _ in range(60)]  # ~1.3 ms saved a batch: ~49 batches to pay 65 ms
+    assert not any(short[:40]) and all(short[55:]) and short.index(True) == sum(not p for p in short)
+    assert not planned(2, 1024)  # another shape starts over
 
 
 def test_padding_to_a_multiple_stores_the_rows_of_an_unpadded_run(

@@ -16,6 +16,7 @@ runs the forward passes that :func:`hscapture.extract.extract` schedules.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections import deque
@@ -231,8 +232,53 @@ def kept_rows(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(attention_mask.reshape(-1), as_tuple=True)[0]
 
 
+class AttentionKernels:
+    """Which attention kernels a batch of a given shape may run on a GPU: cuDNN's only once the shape earned its plan.
+
+    Measured on an H200 (causal bf16, 32 heads of 128, unmasked): cuDNN's SDPA is the fastest per call but
+    plans each new shape once, ~65 ms (the whole one-time cost of a new shape in an extraction); flash
+    plans nothing and is slower per call by about ``SAVED_MS`` per batch x tokens² and layer (0.03 ms at 1024
+    tokens, 0.2 ms at 4096, 11 ms at 32768). Ski rental: a shape runs flash until the time cuDNN would
+    have saved it reaches the plan's cost, then cuDNN's; never more than twice the better of the two
+    chosen in hindsight. A long-context shape earns its plan in a batch or two; a short one, which meets
+    many shapes, seldom does.
+    """
+
+    #: cuDNN's plan of one new shape, ms.
+    PLAN_MS = 65.0
+    #: What cuDNN saves against flash per call of one layer, ms per batch x tokens² at 4096 (heads x head dim).
+    SAVED_MS = 1e-8
+
+    def __init__(self, model: nn.Module) -> None:
+        config = decoder(model).config
+        heads = config.num_attention_heads
+        width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self._scale = self.SAVED_MS * config.num_hidden_layers * width / 4096
+        self._saved: dict[tuple[int, int], float] = {}  # per shape: what cuDNN would have saved it so far
+
+    def __call__(self, batch: int, tokens: int) -> contextlib.AbstractContextManager[None]:
+        """The kernels for the next forward of ``batch`` sequences of ``tokens`` (a context to run it in)."""
+        shape = (batch, tokens)
+        saved = self._saved.get(shape, 0.0)
+        if saved >= self.PLAN_MS:
+            return contextlib.nullcontext()  # planned (or about to be): PyTorch's own order, cuDNN first on Hopper
+        self._saved[shape] = saved + self._scale * batch * tokens * tokens
+        return _unplanned()
+
+
+def _unplanned() -> contextlib.AbstractContextManager[None]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def forward_batch(
-    model: nn.Module, batch: Sequence[Sample], pad_id: int, pad_to_multiple: int, max_batch_tokens: int
+    model: nn.Module,
+    batch: Sequence[Sample],
+    pad_id: int,
+    pad_to_multiple: int,
+    max_batch_tokens: int,
+    kernels: AttentionKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extraction's forward call over one batch, right-padded as :func:`~hscapture.data.padded_length` says.
 
@@ -243,8 +289,9 @@ def forward_batch(
     * no attention mask: padding sits right of every real token, and in a causal decoder row ``i``
       reads rows ``<= i`` only, so padding never reaches a real row (the real rows are a masked
       forward's, up to the attention kernel's rounding). Unmasked, PyTorch's SDPA runs its flash
-      kernel; a masked call takes cuDNN's, which plans each new shape once (~50 ms on an H200), or
-      the memory-efficient one, 5-15 % slower per call (``benchmarks/README.md``, suite ``extract``).
+      kernel; a masked call takes cuDNN's, which plans each new shape once (~65 ms on an H200), or
+      the memory-efficient one, 5-15 % slower per call (``benchmarks/README.md``, suite ``extract``);
+    * on a GPU, cuDNN's kernel only for shapes that earned its plan (``kernels``, :class:`AttentionKernels`).
 
     Also the extract benchmark's forward without capture, so that their ratio is the capture's cost alone.
     The inputs are built on the host and copied with ``non_blocking=True``: a pageable source is
@@ -256,7 +303,8 @@ def forward_batch(
     """
     device = next(model.parameters()).device
     input_ids, attention_mask = pad_batch(batch, pad_id, padded_length(batch, pad_to_multiple, max_batch_tokens))
-    with torch.inference_mode():
+    chosen = kernels(*input_ids.shape) if kernels is not None else contextlib.nullcontext()
+    with torch.inference_mode(), chosen:
         decoder(model)(input_ids=input_ids.to(device, non_blocking=True), use_cache=False)
     return input_ids, attention_mask
 
@@ -315,6 +363,7 @@ class HFExtraction:
         self.producer: Producer | None = None
         # The device's progress: one event per batch, recorded after its rows were written (CUDA only).
         self._batch_done: deque[torch.cuda.Event] = deque()
+        self.kernels = AttentionKernels(self.model) if self.device.type == "cuda" else None
 
     def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None], longest: int) -> None:
         """Start the producer, its ring sized for a batch of ``max_batch_tokens`` or one sample of ``longest``
@@ -365,7 +414,7 @@ class HFExtraction:
         assert self.producer is not None, "start first"
         lengths = [len(s.input_ids) for s in batch]
         input_ids, attention_mask = forward_batch(
-            self.model, batch, self.pad_id, self.pad_to_multiple, self.max_batch_tokens
+            self.model, batch, self.pad_id, self.pad_to_multiple, self.max_batch_tokens, self.kernels
         )
         rows = kept_rows(attention_mask)  # on the host: no device read
         self._wait_for_device()
