@@ -305,12 +305,13 @@ def test_producer_close_frees_the_ring(endpoint: str) -> None:
 @requires_gpu
 def test_offline_extraction_on_gpu_is_bitwise_hf(tiny_model: Path, tmp_path: Path) -> None:
     """`extract --device cuda` goes through the CUDA ring and stores HF's own hidden states of each padded batch,
-    bit for bit (the causal forward extract runs, unmasked: flash attention), and the masked forward's up to the
-    attention kernel's rounding (padding never reaches a real row)."""
+    bit for bit (the causal forward extract runs: unmasked, each shape's attention kernel chosen alike), and the
+    masked forward's up to the attention kernel's rounding (padding never reaches a real row)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
     from hscapture.extract import ExtractOptions, extract
+    from hscapture.integrations.hf import AttentionKernels
     from hscapture.tiny import write_demo_jsonl
 
     data = write_demo_jsonl(tmp_path / "demo.jsonl", n=40)
@@ -321,10 +322,12 @@ def test_offline_extraction_on_gpu_is_bitwise_hf(tiny_model: Path, tmp_path: Pat
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     store = open_store(out)
     pad_to = ExtractOptions.pad_to_multiple  # the store holds the rows of the batches extract ran
+    kernels = AttentionKernels(model)
     for batch in plan_batches(list(load_samples(data, tokenizer)), 4096, 64, pad_to):
         ids, mask = pad_batch(batch, tokenizer.pad_token_id, padded_length(batch, pad_to, 4096))
-        with torch.inference_mode():
+        with torch.inference_mode(), kernels(*ids.shape):  # the attention kernel extract chose for this batch
             hidden = model(input_ids=ids.cuda(), output_hidden_states=True).hidden_states
+        with torch.inference_mode():
             masked = model(input_ids=ids.cuda(), attention_mask=mask.cuda(), output_hidden_states=True).hidden_states
         for i, sample in enumerate(batch):
             n, got = len(sample.input_ids), store.get(sample.key)
