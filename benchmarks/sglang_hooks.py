@@ -13,18 +13,16 @@ layers and the last layer (``--hidden`` wide, bf16), drop policy, a ring of 32 s
 takes one), a ``--discard`` consumer process attached.
 On a CPU (``--device cpu``, host ring) each step instead sleeps ``--queued-ms`` outside the
 hooks, so the consumer keeps up; only the GPU run measures what the goal is about.
-Four variants (three on a CPU), batch size by batch size, alternating, with the same producer and consumer:
+Three variants (two on a CPU), batch size by batch size, alternating, with the same producer and consumer:
 
-* ``deferred`` (the plugin): ``after_forward`` copies the rows into the ring and records the
-  slot's event (``Producer.write_step``); ``after_batch_result`` announces them with token ids
-  from each request's host copy (``Producer.announce_step``).
-* ``deferred-cat``: ``deferred`` with the aux layers and the last layer written into the slot by one
-  ``torch.cat`` (one launch, into a strided view of the slot) instead of one copy each; the
-  written bytes are checked equal to the two copies' first.
+* ``deferred`` (the plugin): ``after_forward`` copies the rows into the ring, the aux layers and the
+  last layer by one ``torch.cat`` launch into a strided view of the slot, and records the slot's
+  event (``Producer.write_step``); ``after_batch_result`` announces them with token ids from each
+  request's host copy (``Producer.announce_step``).
 * ``deferred-memcpy`` (GPU, with cupy): ``deferred`` with every captured tensor's plane written by
   one ``cudaMemcpy2DAsync`` through cupy's runtime API (4 driver calls, no torch dispatch) instead
-  of the torch copies; checked to write the same bytes first (left out, saying why, when it does
-  not or cannot run). Whether the driver's copies cost the host less than torch's launches only a
+  of the ``torch.cat``; checked to write the same bytes first (left out, saying why, when it does
+  not or cannot run). Whether the driver's copies cost the host less than torch's launch only a
   GPU run says.
 * ``sync`` (the hook before that change): the same rows announced at once by ``capture_step``,
   token ids read from the batch's device ``input_ids`` (``.cpu()``: the host waits for the
@@ -121,17 +119,6 @@ def whole_steps_by(producer: Producer, fast: WholeStep) -> Iterator[None]:
         del producer._write
 
 
-def one_launch(producer: Producer) -> contextlib.AbstractContextManager[None]:
-    """A whole step of side-by-side states goes into its slot with one ``torch.cat`` launch."""
-    hidden = producer.config.hidden_size
-
-    def cat(planes: torch.Tensor, states: Sequence[torch.Tensor], spans: tuple[int, ...], count: int) -> None:
-        # planes is [tensors, rows, hidden]; cat writes [rows, tensors, hidden]
-        torch.cat([state.view(count, -1, hidden) for state in states], dim=1, out=planes.transpose(0, 1))
-
-    return whole_steps_by(producer, cat)
-
-
 def plane_copies(producer: Producer) -> contextlib.AbstractContextManager[None]:
     """(CUDA ring) A whole step goes into its slot by one ``cudaMemcpy2DAsync`` per captured tensor's plane,
     through cupy's runtime API on torch's current stream: no torch dispatch, no reshape."""
@@ -155,7 +142,7 @@ def plane_copies(producer: Producer) -> contextlib.AbstractContextManager[None]:
 def check_variant(
     producer: Producer, hidden: int, device: str, variant: Callable[[Producer], contextlib.AbstractContextManager[None]]
 ) -> str:
-    """Empty when ``variant`` leaves the very bytes the plugin's two copies leave in slot 0; else why not."""
+    """Empty when ``variant`` leaves the very bytes the producer's own write leaves in slot 0; else why not."""
     states = (torch.randn(5, 3 * hidden, device=device).bfloat16(), torch.randn(5, hidden, device=device).bfloat16())
     producer._write(0, states, (3, 1), None, 0, 5)
     want = producer._slots[0][: 4 * 5 * hidden].clone()
@@ -165,7 +152,7 @@ def check_variant(
             producer._write(0, states, (3, 1), None, 0, 5)
     except Exception as exc:  # e.g. no cupy: the variant is left out, the run goes on
         return f"{type(exc).__name__}: {exc}"
-    return "" if torch.equal(producer._slots[0][: 4 * 5 * hidden], want) else "it wrote other bytes than the two copies"
+    return "" if torch.equal(producer._slots[0][: 4 * 5 * hidden], want) else "it wrote other bytes than the producer"
 
 
 def _git_head() -> str:
@@ -328,7 +315,7 @@ def main() -> None:
     try:
         # Slot 0 is free: nothing is attached yet. A variant that writes other bytes, or cannot run here (plane
         # copies need cupy), is left out and says why (in the JSON too): the rest of the run still counts.
-        writers = {"deferred-cat": one_launch, **({"deferred-memcpy": plane_copies} if args.device == "cuda" else {})}
+        writers = {"deferred-memcpy": plane_copies} if args.device == "cuda" else {}
         for name, writer in list(writers.items()):
             why = check_variant(deferred.producer, args.hidden, args.device, writer)
             if why:

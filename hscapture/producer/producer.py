@@ -151,8 +151,9 @@ class _Owners(NamedTuple):
     encoded_rows: msgspec.Raw
 
 
-#: Each state's part of a slot, and the shape its rows are viewed as to be copied there (None: as they are).
-_Targets = list[tuple[torch.Tensor, "tuple[int, int, int] | None"]]
+#: Where a step of side-by-side states goes in one launch: the slot's planes seen row by row
+#: (``[count, num_tensors, hidden]``, strided), and the ``[count, k, hidden]`` shape of each state's rows.
+_Targets = tuple[torch.Tensor, "tuple[tuple[int, int, int], ...]"]
 
 
 class Producer:
@@ -258,8 +259,9 @@ class Producer:
             states: the captured tensors in ``config.tensor_names`` order, in ``config.dtype``,
                 all on one device: each ``[N, hidden]``, or ``[N, k * hidden]`` holding ``k``
                 consecutive captured tensors side by side (SGLang's concatenated aux layers).
-                Separate tensors are written by one ``torch.stack``, a side-by-side state by one
-                copy of its own: give each tensor alone, or as few states as the engine has.
+                A slot's rows are written by one launch: ``torch.stack`` of separate tensors,
+                ``torch.cat`` when some state holds several side by side (with ``row_index``: one
+                ``index_select`` per tensor). Give each tensor alone, or as few states as the engine has.
             request_ids: the requests owning the kept rows, in row order.
             request_rows: how many consecutive kept rows each request owns.
             positions: ``[R]`` int position of each kept row in its request (host values: a
@@ -712,14 +714,14 @@ class Producer:
         if targets is None:  # separate tensors: one launch for all, not one copy each
             torch.stack(parts, out=planes)
             return
-        for part, (target, shape) in zip(parts, targets):
-            target.copy_(part if shape is None else part.reshape(shape))
+        # Side-by-side states: one launch for all too, each state's rows as [count, k, hidden] planes.
+        by_row, shapes = targets
+        torch.cat([part.reshape(shape) for part, shape in zip(parts, shapes)], dim=1, out=by_row)
 
     def _targets(self, slot: int, count: int, spans: tuple[int, ...]) -> tuple[torch.Tensor, _Targets | None]:
         """Views of ``slot`` for ``count`` rows, made once per shape: every tensor's plane
-        ``[num_tensors, count, hidden]``, and (when some state holds several tensors) each state's
-        part of it with the shape its rows take to be copied there: ``[count, hidden]`` (as they are), or
-        ``[count, k, hidden]`` across ``k`` planes."""
+        ``[num_tensors, count, hidden]``, and (when some state holds several tensors) the planes seen row
+        by row with the ``[count, k, hidden]`` shape of each state's rows (:data:`_Targets`)."""
         key = (slot, count, spans)
         views = self._views.get(key)
         if views is None:
@@ -729,11 +731,7 @@ class Producer:
             planes = self._slots[slot][: num * count * hidden].view(num, count, hidden)
             targets = None
             if len(spans) != num:
-                firsts = itertools.accumulate(spans, initial=0)
-                targets = [
-                    (planes[t], None) if k == 1 else (planes[t : t + k].transpose(0, 1), (count, k, hidden))
-                    for t, k in zip(firsts, spans)
-                ]
+                targets = (planes.transpose(0, 1), tuple((count, k, hidden) for k in spans))
             views = self._views[key] = (planes, targets)
         return views
 
