@@ -251,9 +251,9 @@ class AttentionKernels:
 
     def __init__(self, model: nn.Module) -> None:
         config = decoder(model).config
-        heads = config.num_attention_heads
-        width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
-        self._scale = self.SAVED_MS * config.num_hidden_layers * width / 4096
+        heads, head_dim = getattr(config, "num_attention_heads", None), getattr(config, "head_dim", None)
+        width = heads * head_dim if heads and head_dim else config.hidden_size  # query heads x head dim
+        self._scale = self.SAVED_MS * len(decoder_parts(model)[0]) * width / 4096
         self._saved: dict[tuple[int, int], float] = {}  # per shape: what cuDNN would have saved it so far
 
     def __call__(self, batch: int, tokens: int) -> contextlib.AbstractContextManager[None]:
