@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hscapture import open_store
-from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
+from hscapture.data import Sample, load_samples, pad_batch, padded_length, plan_batches
 from hscapture.extract import ExtractOptions, extract
 from hscapture.integrations.hf import AttentionKernels, decoder, eagle3_default_layers, forward_batch
 from hscapture.tiny import write_demo_jsonl
@@ -120,6 +120,49 @@ def test_extract_forward_is_the_masked_forward_on_every_real_row(model_and_token
         n = len(sample.input_ids)
         for k in range(len(masked)):
             assert relative_l2(unmasked[k][i, :n], masked[k][i, :n]) < 1e-3, (sample.key, k)
+
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
+SMALL["vocab_size"] = 512
+#: Decoder families extract meets, as random-init tiny transformers models: GQA, sliding windows, MoE, MLA.
+ARCHITECTURES = {
+    "qwen2": ("Qwen2", {"num_key_value_heads": 2}),
+    "qwen3": ("Qwen3", {"num_key_value_heads": 2, "head_dim": 16}),
+    "mistral-sliding": ("Mistral", {"num_key_value_heads": 2, "sliding_window": 16}),
+    "gemma3": ("Gemma3", {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 16}),
+    "qwen3-moe": ("Qwen3Moe", {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 32}),
+    "deepseek-v3": ("DeepseekV3", {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32,
+                                   "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                   "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_extract_forward_keeps_padding_from_real_rows_across_architectures(name: str) -> None:
+    """The same on other decoders: windows, experts and latent attention see no padding either (lengths past the
+    window, rows of three lengths in one padded batch)."""
+    import transformers
+
+    family, extra = ARCHITECTURES[name]
+    config_class = getattr(transformers, f"{family}TextConfig", None) or getattr(transformers, f"{family}Config")
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config_class(**SMALL, **extra)).eval()
+    batch = [Sample(f"s{i}", torch.randint(5, 500, (n,)).tolist(), [1] * n) for i, n in enumerate((70, 33, 51))]
+    seen: list[tuple[torch.Tensor, ...]] = []
+    handle = decoder(model).register_forward_hook(lambda _m, _a, out: seen.append(out.hidden_states))
+    model.config.output_hidden_states = True
+    try:
+        with torch.inference_mode():
+            input_ids, mask = forward_batch(model, batch, 0, PAD_TO, BATCH_TOKENS)
+            masked = model(input_ids=input_ids, attention_mask=mask).hidden_states
+    finally:
+        handle.remove()
+    for i, sample in enumerate(batch):
+        n = len(sample.input_ids)
+        for k in range(len(masked)):
+            assert relative_l2(seen[0][k][i, :n], masked[k][i, :n]) < 1e-3, (name, sample.key, k)
 
 
 def test_cudnn_attention_only_for_shapes_that_earn_its_plan() -> None:
