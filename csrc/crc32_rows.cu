@@ -25,25 +25,27 @@ __device__ __forceinline__ unsigned int multmodp(unsigned int a, unsigned int b)
     return p;
 }
 
+// x^(2^k) modulo POLY, k = 0..31: zlib's x2n_table (constants, so no block recomputes them).
+__constant__ unsigned int X2N[32] = {
+    0x40000000u, 0x20000000u, 0x08000000u, 0x00800000u, 0x00008000u, 0xedb88320u,
+    0xb1e6b092u, 0xa06a2517u, 0xed627daeu, 0x88d14467u, 0xd7bbfe6au, 0xec447f11u,
+    0x8e7ea170u, 0x6427800eu, 0x4d47bae0u, 0x09fe548fu, 0x83852d0fu, 0x30362f1au,
+    0x7b5a9cc3u, 0x31fec169u, 0x9fec022au, 0x6c8dedc4u, 0x15d6874du, 0x5fde7a4eu,
+    0xbad90e37u, 0x2e4e5eefu, 0x4eaba214u, 0xa8a472c0u, 0x429a969eu, 0x148d302au,
+    0xc40ba6d0u, 0xc4e22c3cu,
+};
+
 // Row blockIdx.x of block blockIdx.y (e.g. of a tensor): bytes at rows + y * block_stride + x * row_stride,
 // its CRC at out[y * out_stride + x].
 extern "C" __global__ void crc32_rows(const unsigned char* rows, long long row_stride, long long block_stride,
                                       int width, unsigned int* out, int out_stride, unsigned int zero_crc) {
     __shared__ unsigned int table[256];      // raw CRC of each byte value
-    __shared__ unsigned int x2n[32];         // x^(2^k) modulo POLY
     __shared__ unsigned int crcs[THREADS];
     __shared__ int lengths[THREADS];
     const int t = threadIdx.x;
     unsigned int c = t;
     for (int k = 0; k < 8; ++k) c = c & 1 ? (c >> 1) ^ POLY : c >> 1;
     table[t] = c;
-    if (t == 0) {
-        unsigned int p = 1u << 30;           // x^1
-        for (int k = 0; k < 32; ++k) {
-            x2n[k] = p;
-            p = multmodp(p, p);
-        }
-    }
     const unsigned char* row = rows + (long long)blockIdx.y * block_stride + (long long)blockIdx.x * row_stride;
     const int piece = (width + THREADS - 1) / THREADS;
     const int begin = min(t * piece, width), end = min(begin + piece, width);
@@ -58,7 +60,7 @@ extern "C" __global__ void crc32_rows(const unsigned char* rows, long long row_s
             unsigned int moved = crcs[t];
             int n = lengths[t + stride];
             for (int k = 3; n; n >>= 1, ++k)  // times x^(8 n): one factor per set bit of n
-                if (n & 1) moved = multmodp(x2n[k & 31], moved);
+                if (n & 1) moved = multmodp(X2N[k & 31], moved);
             crcs[t] = moved ^ crcs[t + stride];
             lengths[t] += lengths[t + stride];
         }

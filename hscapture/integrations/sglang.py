@@ -347,7 +347,7 @@ class SGLangCapture:
                 "and hscapture extract --engine sglang add them)"
             )
         producer = self.producer if self.checked else self._check_first_output(aux, last)
-        # The aux layers side by side ([N, layers * hidden]) and the last layer: one copy each into the slot.
+        # The aux layers side by side ([N, layers * hidden]) and the last layer: one launch writes both into the slot.
         states = (aux, last) if self.settings.capture_last else (aux,)
         if batch.forward_mode.is_decode():  # the hot path: no per-step objects beyond what the producer keeps
             plan, positions = self._decode_rows(batch)
