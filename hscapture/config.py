@@ -7,6 +7,7 @@ received and the allowed range.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from collections.abc import Sequence
@@ -343,7 +344,7 @@ def ensure_writable_dir(path: Path, field_name: str) -> Path:
     """
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.is_dir():
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another job sharing it: fine, if writable
             os.mkdir(path, 0o700)
         probe = path / f".hscapture-write-probe.{os.getpid()}.{secrets.token_hex(6)}.tmp"
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
