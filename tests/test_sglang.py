@@ -392,7 +392,10 @@ def _abort_after_first_chunks(url: str, body: dict[str, Any]) -> None:
 def server(model: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen, Path]]:
     port = _free_port()
     store_dir = tmp_path / "live"
-    command = [sys.executable, "-m", "hscapture", "serve", "--out", str(store_dir), "--", "--model-path", str(model)]
+    # block: every finished request must be complete, and a busy host must not make the ring drop rows (drop's
+    # accounting has tests of its own); serving waits for the consumer instead.
+    command = [sys.executable, "-m", "hscapture", "serve", "--out", str(store_dir), "--policy", "block"]
+    command += ["--", "--model-path", str(model)]
     command += ["--port", str(port), "--chunked-prefill-size", "32", "--mem-fraction-static", "0.3"]
     command += ["--enable-mixed-chunk", "--log-level", "warning"]
     process = subprocess.Popen(command, env=_env())
