@@ -13,7 +13,7 @@ layers and the last layer (``--hidden`` wide, bf16), drop policy, a ring of 32 s
 takes one), a ``--discard`` consumer process attached.
 On a CPU (``--device cpu``, host ring) each step instead sleeps ``--queued-ms`` outside the
 hooks, so the consumer keeps up; only the GPU run measures what the goal is about.
-Three variants (two on a CPU), batch size by batch size, alternating, with the same producer and consumer:
+Four variants (three on a CPU), batch size by batch size, alternating, with the same producer and consumer:
 
 * ``deferred`` (the plugin): ``after_forward`` copies the rows into the ring, the aux layers and the
   last layer by one ``torch.cat`` launch into a strided view of the slot, and records the slot's
@@ -27,6 +27,10 @@ Three variants (two on a CPU), batch size by batch size, alternating, with the s
 * ``sync`` (the hook before that change): the same rows announced at once by ``capture_step``,
   token ids read from the batch's device ``input_ids`` (``.cpu()``: the host waits for the
   forward). Its row bookkeeping is the new one, so it is a lower bound of the old hook's cost.
+* ``floor``: a decode step's rows written into a free slot by the same one-launch write and the slot's
+  event recorded, nothing else (no positions, token ids or announcement; the slot is handed straight
+  back). The least any hook that copies the rows from Python spends on this host; ``deferred``
+  minus ``floor`` is the plugin's bookkeeping.
 
 Reported per batch size and variant: host µs per decode step in the hooks (``after_forward``
 plus ``after_batch_result`` of one loop turn; median, p90 and mean over ``--steps`` steps (the
@@ -89,6 +93,26 @@ class SyncCapture(SGLangCapture):
         states = [*aux.view(total, -1, hidden).unbind(1), output.last_hidden_states]
         tokens = batch.input_ids.cpu()  # what Producer.capture_step did with a device tensor: waits
         self.producer.capture_step(states, rids, counts, positions, tokens)
+
+
+class FloorCapture(SGLangCapture):
+    """The floor of any hook that copies the rows from Python: a decode step's rows go into a free slot by the
+    plugin's own one-launch write and the slot's event is recorded; nothing else (no positions, no token ids, no
+    announcement, the slot handed straight back). What the plugin's hooks spend above it is bookkeeping."""
+
+    def after_forward(self, result: Any, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
+        if batch is None or not batch.forward_mode.is_decode():
+            return super().after_forward(result, worker, batch, *args, **kwargs)
+        output, producer = result.logits_output, self.producer
+        states = (output.hidden_states, output.last_hidden_states)
+        slot = producer._free.popleft()
+        producer._write(slot, states, (len(LAYERS), 1), None, 0, states[0].shape[0])
+        producer.ring.mark_written(slot)
+        producer._free.append(slot)
+
+    def after_batch_result(self, result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+        if not batch.forward_mode.is_decode():
+            super().after_batch_result(result, scheduler, batch, *args, **kwargs)
 
 
 WholeStep = Callable[[torch.Tensor, Sequence[torch.Tensor], tuple[int, ...], int], None]
@@ -309,7 +333,14 @@ def main() -> None:
     )
     deferred = capture_with_producer(config)
     sync = SyncCapture(deferred.settings)
-    sync.producer = deferred.producer
+    floor = FloorCapture(deferred.settings)
+    for other in (sync, floor):
+        other.producer, other.layers, other.hidden, other.checked = (
+            deferred.producer,
+            deferred.layers,
+            deferred.hidden,
+            True,
+        )
     results: dict[str, dict[str, Any]] = {}
     left_out: dict[str, str] = {}
     try:
@@ -327,7 +358,12 @@ def main() -> None:
             time.sleep(0.01)
         first = 0
         for n, batch in enumerate(args.batches):
-            variants = [("deferred", deferred), *((name, deferred) for name in writers), ("sync", sync)]
+            variants = [
+                ("deferred", deferred),
+                *((name, deferred) for name in writers),
+                ("sync", sync),
+                ("floor", floor),
+            ]
             for name, capture in variants if n % 2 == 0 else variants[::-1]:
                 profile = name == "deferred" and batch == GOAL_BATCH
                 with writers[name](capture.producer) if name in writers else contextlib.nullcontext():
