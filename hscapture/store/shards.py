@@ -91,12 +91,22 @@ def new_buffer(
 ) -> ShardBuffer:
     """A shard buffer of ``capacity`` rows; ``allocate(nbytes)`` gives the uint8 memory rows are copied into.
 
+    Every page is written once here: a fresh page faults on its first write, which must not happen
+    under the rows (on the CPU host's VM, first writes to fresh memory ran at 0.46 GB/s, the copy
+    out of a host ring into touched memory at 20 GB/s).
+
     With ``quantized``, ``plane_row_bytes`` is the hidden size (one byte per code) and the buffer
     also holds each row's scale, non-finite count and CRC-32, per tensor.
     """
-    side = allocate(3 * tensors * capacity * 4).reshape(3, tensors, capacity * 4) if quantized else None
+
+    def touched(nbytes: int) -> np.ndarray:
+        array = allocate(nbytes)
+        array.fill(0)
+        return array
+
+    side = touched(3 * tensors * capacity * 4).reshape(3, tensors, capacity * 4) if quantized else None
     return ShardBuffer(
-        planes=[allocate(capacity * plane_row_bytes).reshape(capacity, plane_row_bytes) for _ in range(tensors)],
+        planes=[touched(capacity * plane_row_bytes).reshape(capacity, plane_row_bytes) for _ in range(tensors)],
         positions=np.empty(capacity, dtype=np.int64),
         token_ids=np.empty(capacity, dtype=np.int64),
         request_index=np.empty(capacity, dtype=np.int32),

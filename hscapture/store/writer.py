@@ -27,7 +27,7 @@ import numpy as np
 
 from hscapture.config import DTYPES, default_writer_threads, store_dtype_name
 from hscapture.errors import StoreError
-from hscapture.fp8 import FP8_NAME
+from hscapture.fp8 import FP8_NAME, host_kernels
 from hscapture.ownership import open_own
 from hscapture.store.files import lock_store, prepare_store_dir, remove_stale_temps, write_atomic
 from hscapture.store.format import (
@@ -220,7 +220,7 @@ class StoreWriter:
         #: Requests whose shards are listed and whose line names a donor whose own line is not yet.
         self._held: list[str] = []
         self._arrivals = 0
-        self._allocate: Callable[[int], np.ndarray] = _pageable
+        self._allocate: Callable[[int], np.ndarray] = _pageable_bytes
         #: Rows committed, and requests whose line is written.
         self.rows_written = 0
         self.requests_written = 0
@@ -318,6 +318,8 @@ class StoreWriter:
         self._index.flush()  # once per run: the run is on record before its first rows
         while self._buffers_made < self.shard_buffers:  # allocate (pin) them now, not under the rows
             self._free.put(self._new_buffer(self._run))
+        if self.fp8 and not quantized:
+            host_kernels()  # compile the writer threads' quantizer now too
 
     def end_run(self, reason: str, counters: dict[str, int]) -> None:
         """Write the open shard, wait for all writes, and close every request of the run.
@@ -672,11 +674,8 @@ class StoreWriter:
             os.close(fd)
 
 
-def _pageable(nbytes: int) -> np.ndarray:
-    """Host memory, touched now: a fresh page faults on its first write, which must not happen under the rows."""
-    array = np.empty(nbytes, dtype=np.uint8)
-    array.fill(0)
-    return array
+def _pageable_bytes(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
 
 
 def _write_and_free(
