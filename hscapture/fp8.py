@@ -71,6 +71,7 @@ class Quantizer:
         self._scratch = torch.empty(block_rows, hidden, dtype=torch.float32)
         self._codes = torch.empty(block_rows, hidden, dtype=FP8)
         self._kernels = host_kernels() if fused is not False else None
+        self._counts = np.empty(block_rows, dtype=np.int32)
         if fused and self._kernels is None:
             raise RuntimeError("fused: the host kernel needs numba (pip install numba)")
 
@@ -109,7 +110,8 @@ class Quantizer:
             rows = self._scratch[: len(rows)].copy_(rows)
         bits = rows.view(torch.int16 if rows.dtype == torch.bfloat16 else torch.int32).numpy()
         kernel = self._kernels[bits.itemsize]
-        return int(kernel(bits.view(f"u{bits.itemsize}"), codes.view(torch.uint8).numpy(), scales.numpy()))
+        counts = self._counts[: len(bits)]
+        return int(kernel(bits.view(f"u{bits.itemsize}"), codes.view(torch.uint8).numpy(), scales.numpy(), counts))
 
 
 def quantize_into(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, nonfinite: torch.Tensor) -> None:
@@ -149,12 +151,13 @@ _compiled: dict[int, Any] | None = None
 _compile_lock = threading.Lock()
 
 
-def host_kernels() -> dict[int, Callable[[np.ndarray, np.ndarray, np.ndarray], int]] | None:
+def host_kernels() -> dict[int, Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]] | None:
     """The fused host quantization kernels, by the bytes of the rows' values; None without numba.
 
-    ``kernel(bits, codes, scales) -> non-finite count`` takes ``[n, hidden]`` rows as the bits of
-    their values (uint16 for bfloat16, uint32 for float32, C-contiguous) and writes ``[n, hidden]``
-    uint8 codes and ``[n]`` float32 scales: :class:`Quantizer`'s policy and bits. Compiled once per
+    ``kernel(bits, codes, scales, nonfinite) -> non-finite count`` takes ``[n, hidden]`` rows as the
+    bits of their values (uint16 for bfloat16, uint32 for float32, C-contiguous, may be read-only)
+    and writes ``[n, hidden]`` uint8 codes, ``[n]`` float32 scales and ``[n]`` int32 counts of
+    non-finite values: :class:`Quantizer`'s policy and bits. Compiled once per
     process (~1 s, on the first call: the store calls it when an fp8 run begins, not under the rows).
     """
     global _compiled
@@ -194,7 +197,7 @@ def _compile(numba: Any) -> dict[int, Any]:
         def widen(b: int) -> float:
             return u32(u32(b) << u32(shift)).view(f32)
 
-        def quantize(bits: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int:
+        def quantize(bits: np.ndarray, codes: np.ndarray, scales: np.ndarray, nonfinite: np.ndarray) -> int:
             total = 0
             for r in range(bits.shape[0]):
                 row, out = bits[r], codes[r]
@@ -213,7 +216,7 @@ def _compile(numba: Any) -> dict[int, Any]:
                 scale = f32(widen(top) / f32(E4M3_MAX))
                 if not scale > f32(0.0):
                     scale = f32(1.0)
-                scales[r] = scale
+                scales[r], nonfinite[r] = scale, bad
                 for i in range(row.shape[0]):
                     out[i] = e4m3(f32(widen(row[i]) / scale))
                 if bad:
@@ -223,8 +226,9 @@ def _compile(numba: Any) -> dict[int, Any]:
                 total += bad
             return total
 
-        signature = f"int64({uint.__name__}[:, ::1], uint8[:, ::1], float32[::1])"
-        return numba.njit(signature, nogil=True, boundscheck=False)(quantize)
+        rows = numba.types.Array(numba.from_dtype(np.dtype(uint)), 2, "C", readonly=True)  # e.g. a ring's pages
+        out = (numba.uint8[:, ::1], numba.float32[::1], numba.int32[::1])
+        return numba.njit(numba.int64(rows, *out), nogil=True, boundscheck=False)(quantize)
 
     return {2: kernel(u16, 16), 4: kernel(u32, 0)}
 

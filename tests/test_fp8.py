@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from hscapture import open_store
-from hscapture.config import ConsumerConfig
+from hscapture import CaptureConfig, Producer, open_store
+from hscapture.config import DTYPES, ConsumerConfig
+from hscapture.consumer import consume_command
 from hscapture.errors import StoreError
 from hscapture.fp8 import (
     E4M3_MAX,
@@ -33,6 +34,7 @@ from hscapture.fp8 import (
 )
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
+from tests.conftest import wait_attached
 from tests.storefeed import (
     HIDDEN,
     NAMES,
@@ -144,7 +146,7 @@ def test_the_fused_kernel_casts_every_float32_up_to_448_as_torch_does() -> None:
     rows, width = 4096, 4096
     bits = np.empty((rows, width), dtype=np.uint32)
     bits[:, 0] = np.float32(E4M3_MAX).view(np.uint32)
-    codes, scales = np.empty((rows, width), dtype=np.uint8), np.empty(rows, dtype=np.float32)
+    codes, scales, counts = np.empty((rows, width), np.uint8), np.empty(rows, np.float32), np.empty(rows, np.int32)
     top = int(bits[0, 0])
     per = rows * (width - 1)
     checked = 0
@@ -153,7 +155,7 @@ def test_the_fused_kernel_casts_every_float32_up_to_448_as_torch_does() -> None:
             values = np.arange(start, min(start + per, top + 1), dtype=np.uint32) | np.uint32(sign)
             n = -(-len(values) // (width - 1))
             bits[:n, 1:] = np.concatenate([values, np.zeros(-len(values) % (width - 1), np.uint32)]).reshape(n, -1)
-            assert kernel(bits[:n], codes[:n], scales[:n]) == 0 and (scales[:n] == 1.0).all()
+            assert kernel(bits[:n], codes[:n], scales[:n], counts[:n]) == 0 and (scales[:n] == 1.0).all()
             want = torch.from_numpy(bits[:n].view(np.float32)).to(FP8).view(torch.uint8).numpy()
             mismatch = np.flatnonzero(codes[:n] != want)
             assert not len(mismatch), f"{bits[:n].view(np.float32).reshape(-1)[mismatch[:5]]} cast differently"
@@ -319,6 +321,52 @@ def test_rows_handed_in_quantized_make_the_same_files(tmp_path: Path) -> None:
         2: {"last": 1},
     }
     assert verify_store(stores["handed-in"]).ok
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_fp8_store_from_a_host_ring_is_quantized_out_of_the_ring(tmp_path: Path, endpoint: str, dtype: str) -> None:
+    """A real consumer of a host ring quantizes each chunk where it lies (no copy of the slot), in pieces
+    where a chunk spans shards, and stores the torch passes' bits; counts the non-finite values per
+    shard; the store verifies."""
+    pytest.importorskip("numba")
+    rows = special_rows(DTYPES[dtype], tensors=4, n=60, hidden=HIDDEN)  # special rows in the first request
+    config = CaptureConfig(layers=(1, 2, 3), hidden_size=HIDDEN, num_layers=4, dtype=dtype, device="cpu",
+                           slot_bytes=1 << 16, max_step_rows=32, policy="block", endpoint=endpoint)  # fmt: skip
+    row_bytes = 4 * HIDDEN * DTYPES[dtype].itemsize
+    options = ("--exit-on-eos", "--store-dtype", "fp8", "--heartbeat-ms", "50", "--shard-bytes", str(7 * row_bytes))
+    consumer = subprocess.Popen(consume_command(endpoint, tmp_path, *options), stderr=subprocess.PIPE, text=True)
+    steps = [(0, 20), (20, 45), (45, 60)]
+    try:
+        producer = Producer(config, tensor_descriptions=[f"tensor {i}" for i in range(4)], meta={"engine": "test"})
+        wait_attached(producer)
+        for step, (begin, end) in enumerate(steps):
+            producer.capture_step([plane[begin:end] for plane in rows], [f"r{step}"], [end - begin],
+                                  np.arange(end - begin), np.arange(begin, end))  # fmt: skip
+            producer.finish_request(f"r{step}", num_tokens=end - begin)
+        producer.close()
+        _, stderr = consumer.communicate(timeout=120)
+    finally:
+        consumer.kill()
+    assert consumer.returncode == 0, stderr
+    assert "fp8 quantized out of the ring" in stderr
+    store = open_store(tmp_path)
+    assert store.quantized and sorted(store.keys(complete_only=True)) == ["r0", "r1", "r2"]
+    assert len(shard_files(tmp_path)) == 9, "7 rows a shard: chunks of 20 and 25 rows span shards"
+    for step, (begin, end) in enumerate(steps):
+        raw = store.get(f"r{step}", dequantize=False)
+        for t, name in enumerate(store.tensor_names):
+            scales = torch.empty(end - begin)
+            codes, _ = Quantizer(HIDDEN, end - begin, fused=False)(rows[t, begin:end], scales)
+            assert torch.equal(raw[name].view(torch.uint8), codes.view(torch.uint8)), (step, name)
+            assert torch.equal(raw[f"{name}.scale"], scales), (step, name)
+    lines = [json.loads(line) for line in (tmp_path / "index.jsonl").read_text().splitlines()]
+    counted: dict[str, int] = {}
+    for line in lines:
+        for name, count in line.get("nonfinite", {}).items():
+            counted[name] = counted.get(name, 0) + count
+    want = {name: int((~torch.isfinite(rows[t])).sum()) for t, name in enumerate(store.tensor_names)}
+    assert counted == {name: count for name, count in want.items() if count} and counted["layer_2"] >= 1 + HIDDEN
+    assert verify_store(tmp_path).ok
 
 
 def test_quantized_rows_are_refused_by_a_store_of_captured_rows(tmp_path: Path) -> None:
