@@ -28,15 +28,13 @@ runs at 2.5 G values/s: torch converts to fp8 one value at a time). Its conversi
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from hscapture.jit import compiled
 
 #: The store dtype name of fp8 storage (``meta.json`` ``store_dtype``) and its torch dtype.
 FP8_NAME = "float8_e4m3fn"
@@ -73,7 +71,7 @@ class Quantizer:
         self._kernels = host_kernels() if fused is not False else None
         self._counts = np.empty(block_rows, dtype=np.int32)
         if fused and self._kernels is None:
-            raise RuntimeError("fused: the host kernel needs numba (pip install numba)")
+            raise RuntimeError("fused: the host kernel needs numba (pip install 'hscapture[host-fp8]')")
 
     def __call__(
         self, rows: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
@@ -147,30 +145,16 @@ def _scale_of(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, 1.0)
 
 
-_compiled: dict[int, Any] | None = None
-_compile_lock = threading.Lock()
-
-
 def host_kernels() -> dict[int, Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], int]] | None:
     """The fused host quantization kernels, by the bytes of the rows' values; None without numba.
 
     ``kernel(bits, codes, scales, nonfinite) -> non-finite count`` takes ``[n, hidden]`` rows as the
     bits of their values (uint16 for bfloat16, uint32 for float32, C-contiguous, may be read-only)
     and writes ``[n, hidden]`` uint8 codes, ``[n]`` float32 scales and ``[n]`` int32 counts of
-    non-finite values: :class:`Quantizer`'s policy and bits. Compiled once per
-    process (~1 s, on the first call: the store calls it when an fp8 run begins, not under the rows).
+    non-finite values: :class:`Quantizer`'s policy and bits. Compiled once per process (~1 s, on
+    the first call: the store calls it when an fp8 run begins, not under the rows).
     """
-    global _compiled
-    with _compile_lock:
-        if _compiled is None:
-            try:
-                import numba
-            except ImportError:
-                log.info("numba is not installed: fp8 quantization on the host runs on torch's kernels (~3 GB/s)")
-                _compiled = {}
-            else:
-                _compiled = _compile(numba)
-        return _compiled or None
+    return compiled(_compile)
 
 
 def _compile(numba: Any) -> dict[int, Any]:

@@ -70,6 +70,6 @@ class HostQuantizer:
                     values = wide.view(np.uint32)
                 codes = piece.planes[t]
                 self._kernel(values, codes, piece.scales[t], piece.nonfinite[t])
-                piece.crcs[t][:] = row_crcs(codes).view(np.int32)
+                piece.crcs[t][:] = row_crcs(codes, compiled=True).view(np.int32)
             begin += piece.rows
         assert begin == rows, (begin, rows)

@@ -251,7 +251,7 @@ class _Output:
         crcs = np.empty(n, dtype=np.uint32)
         for begin in range(0, n, step):
             block = np.ascontiguousarray(rows[begin : begin + step])
-            crcs[begin : begin + len(block)] = row_crcs(block)
+            crcs[begin : begin + len(block)] = row_crcs(block, compiled=True)
             self._put(offset + begin * width, _bytes(block.reshape(-1)))
         return crcs
 

@@ -29,6 +29,7 @@ from hscapture.config import DTYPES, default_writer_threads, store_dtype_name
 from hscapture.errors import StoreError
 from hscapture.fp8 import FP8_NAME, host_kernels
 from hscapture.ownership import open_own
+from hscapture.store.checksum import crc_kernel
 from hscapture.store.files import lock_store, prepare_store_dir, remove_stale_temps, write_atomic
 from hscapture.store.format import (
     INDEX_FILE,
@@ -318,8 +319,9 @@ class StoreWriter:
         self._index.flush()  # once per run: the run is on record before its first rows
         while self._buffers_made < self.shard_buffers:  # allocate (pin) them now, not under the rows
             self._free.put(self._new_buffer(self._run))
+        crc_kernel()  # compile the writer threads' row checksums now, and their quantizer: not under the rows
         if self.fp8 and not quantized:
-            host_kernels()  # compile the writer threads' quantizer now too
+            host_kernels()
 
     def end_run(self, reason: str, counters: dict[str, int]) -> None:
         """Write the open shard, wait for all writes, and close every request of the run.
