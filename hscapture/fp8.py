@@ -15,9 +15,10 @@ Policy for special rows, applied by :func:`quantize_rows`:
   value never reads back as a finite one. The writer counts them in the shard's index line.
 
 Where it runs: the consumer of a GPU ring quantizes each chunk on the GPU (:func:`quantize_into`,
-on its own stream, before the copy to the host: half the PCIe bytes); rows from a host ring are
-quantized by the store's writer threads (:class:`Quantizer`). Both give the same bits; the serving
-loop never pays for either.
+on its own stream, before the copy to the host: half the PCIe bytes); the consumer of a host ring
+quantizes each chunk where it lies in the ring's shared memory (:mod:`hscapture.consumer.host_fp8`,
+with :func:`host_kernels`), or, without numba, the store's writer threads quantize the copied rows
+(:class:`Quantizer`). All give the same bits; the serving loop never pays for any.
 
 On the host, :class:`Quantizer` runs one fused kernel per block where numba is installed
 (:func:`host_kernels`: each row read twice, its codes written once; ~17 GB/s of bf16 rows per
@@ -102,9 +103,9 @@ class Quantizer:
         return codes, nonfinite
 
     def _fused(self, rows: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor) -> int:
-        """The fused kernel on ``rows``: contiguous bf16 and float32 rows as they are, others via the scratch."""
+        """The fused kernel on ``rows``: contiguous bf16 and float32 host rows as they are, others via the scratch."""
         assert self._kernels is not None
-        if not (rows.dtype in (torch.bfloat16, torch.float32) and rows.is_contiguous()):
+        if not (rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float32) and rows.is_contiguous()):
             rows = self._scratch[: len(rows)].copy_(rows)
         bits = rows.view(torch.int16 if rows.dtype == torch.bfloat16 else torch.int32).numpy()
         kernel = self._kernels[bits.itemsize]

@@ -5,8 +5,9 @@ store. It says hello on the ``release`` socket until a producer answers with a
 :class:`~hscapture.protocol.Layout`, opens the ring that layout describes (once), and then for
 each announced chunk: reserves rows in the store (destination views in its shard buffers),
 copies the slot's planes into them (asynchronously on the CUDA ring, where rows bound for an fp8
-store are quantized on the GPU first: :mod:`hscapture.consumer.device_fp8`), and once the copies
-have landed releases the slot and commits the rows with their requests, positions and tokens.
+store are quantized on the GPU first: :mod:`hscapture.consumer.device_fp8`; from a host ring such
+rows are quantized where they lie instead of copied: :mod:`hscapture.consumer.host_fp8`), and once
+the copies have landed releases the slot and commits the rows with their requests, positions and tokens.
 Request ends are handed to the store in wire order, after the rows announced before them.
 Writer threads take it from there. It keeps saying hello as a heartbeat, which is how a
 restarted producer (new run id) finds it again. With ``discard`` there is no store: each chunk

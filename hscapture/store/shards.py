@@ -13,7 +13,8 @@ disk works while the rest of the shard is written and the closing fsync waits fo
 
 In an fp8 store rows arrive either as captured (each block is quantized into a scratch first;
 the scales and the row table, known only when their tensors are done, are written at their
-place afterwards) or already quantized (the consumer of a GPU ring quantizes on the GPU): then a
+place afterwards) or already quantized (the consumer quantizes a GPU ring's rows on the GPU, a
+host ring's where they lie): then a
 buffer plane holds ``[capacity, hidden]`` codes, and the buffer each row's scale and count of
 non-finite values, and the shard is written as it stands.
 """
