@@ -38,8 +38,8 @@ def compiled(build: Callable[[Any], T | None]) -> T | None:
                     log.info("numba is not installed: the host's fp8 and CRC-32 loops run on torch and zlib")
                     _missing_said = True
                 _built[build] = None
-            else:
-                _built[build] = build(numba)
+            else:  # NUMBA_DISABLE_JIT would leave the loops in Python: slower than torch, and no intrinsics
+                _built[build] = None if numba.config.DISABLE_JIT else build(numba)
         return _built[build]
 
 
