@@ -279,9 +279,8 @@ class StoreWriter:
                 device copies into fastest); by default pageable numpy memory.
             quantized: the caller hands in rows already quantized (fp8 codes, scales and non-finite
                 counts, bit for bit what :func:`hscapture.fp8.quantize_rows` gives, and each row's
-                CRC-32; see :class:`Rows`), e.g. quantized on the GPU before the copy out, or out of a host
-                ring's shared memory. Only in an
-                fp8 store.
+                CRC-32; see :class:`Rows`), e.g. quantized on the GPU before the copy out, or where they
+                lie in a host ring. Only in an fp8 store.
 
         Raises:
             StoreError: the store holds other tensors.
@@ -678,6 +677,7 @@ class StoreWriter:
 
 
 def _pageable_bytes(nbytes: int) -> np.ndarray:
+    """Pageable host memory (a shard buffer writes every page of it when made)."""
     return np.empty(nbytes, dtype=np.uint8)
 
 
