@@ -48,8 +48,9 @@ from hscapture import CaptureConfig, Producer
 from hscapture.config import MiB
 from hscapture.consumer import consume_command
 from hscapture.consumer.device_fp8 import crc_kernel
-from hscapture.fp8 import FP8, quantize_into
+from hscapture.fp8 import FP8, Quantizer, host_kernels, quantize_into
 from hscapture.integrations.hf import describe
+from hscapture.store.checksum import row_crcs
 
 GiB = 1 << 30
 #: The goal: the store writes at this fraction of the raw disk rate or better.
@@ -103,20 +104,23 @@ def measure(
         def store_side(repeat: int = repeat) -> None:
             nonlocal shard_bytes
             out = work / f"store-{repeat}"
-            watch = DiskWatch(disk)
+            watch, cpu = DiskWatch(disk), CpuWatch()
             seconds, shard_bytes, timeline = _store_run(device, out, hidden, slot, rows, steps, states, positions,
-                                                        tokens, store_dtype, consumer_args, watch)  # fmt: skip
+                                                        tokens, store_dtype, consumer_args, watch, cpu)  # fmt: skip
             store_s.append(seconds)
-            phases.append({**timeline, "disk": watch.summary()})
+            phases.append({**timeline, "disk": watch.summary(), "cpu": cpu.summary()})
             shutil.rmtree(out, ignore_errors=True)
 
         def raw_side(repeat: int = repeat) -> None:
-            watch = DiskWatch(disk)
+            watch, cpu = DiskWatch(disk), CpuWatch()
+            cpu.start()
             write_s, fsync_s = raw_write(
                 work / f"raw-{repeat}.bin", shard_bytes or _expected_bytes(steps, rows, hidden), watch
             )
+            cpu.stop()
             raw_s.append(write_s + fsync_s)
-            raw_phases.append({"write_s": round(write_s, 3), "fsync_s": round(fsync_s, 3), "disk": watch.summary()})
+            raw_phases.append({"write_s": round(write_s, 3), "fsync_s": round(fsync_s, 3), "disk": watch.summary(),
+                               "cpu": cpu.summary()})  # fmt: skip
 
         sides = [store_side, raw_side] if repeat % 2 == 0 else [raw_side, store_side]
         for side in sides:
@@ -170,6 +174,7 @@ def _store_run(
     store_dtype: str | None,
     consumer_args: tuple[str, ...],
     watch: DiskWatch,
+    cpu: CpuWatch,
 ) -> tuple[float, int, dict[str, float]]:
     """One capture into a fresh store; (seconds from the first step to the index's run_end, shard bytes, phases)."""
     config = CaptureConfig(
@@ -184,6 +189,7 @@ def _store_run(
     try:
         gpu_ring.attach(producer, consumer, timeout_s=180.0)
         watch.start()
+        cpu.start(consumer.pid)
         started = time.perf_counter()
         shards = _ShardWatch(out / "index.jsonl", started)
         for step in range(steps):
@@ -193,6 +199,7 @@ def _store_run(
         closed = time.perf_counter() - started
         wait_run_end(out / "index.jsonl", consumer)
         seconds = time.perf_counter() - started
+        cpu.stop()
         shards.stop()
         watch.stop()
     finally:
@@ -213,7 +220,8 @@ class _ShardWatch:
 
     def _run(self) -> None:
         seen = 0
-        while not self._stop.is_set():
+        while True:
+            stopping = self._stop.is_set()  # one last read after the stop: lines written with run_end count too
             try:
                 with self.index.open("rb") as handle:
                     handle.seek(seen)
@@ -227,6 +235,8 @@ class _ShardWatch:
                 if record.get("type") == "shard":
                     self.listed.append((now, record["bytes"]))
             seen += len(complete)
+            if stopping:
+                return
             time.sleep(0.002)
 
     def stop(self) -> None:
@@ -305,6 +315,40 @@ class DiskWatch:
             "busy": round((b1 - b0) / 1000 / max(t1 - t0, 1e-9), 3),
             "gbps_per_100ms": per_100ms,
         }
+
+
+class CpuWatch:
+    """Core-seconds spent while a side ran: the whole machine's busy time (``/proc/stat``: user, nice,
+    system, irq, softirq; the kernel's writeback included, and anything else running), this thread's
+    own (the producer, or the raw writer), and the consumer process's (``/proc/PID/stat``)."""
+
+    def start(self, consumer_pid: int | None = None) -> None:
+        self.pid = consumer_pid
+        self._begin = (_machine_busy_s(), time.thread_time(), _process_cpu_s(consumer_pid))
+
+    def stop(self) -> None:
+        self._end = (_machine_busy_s(), time.thread_time(), _process_cpu_s(self.pid))
+
+    def summary(self) -> dict[str, float]:
+        (machine0, mine0, consumer0), (machine1, mine1, consumer1) = self._begin, self._end
+        found = {"machine_busy_core_s": round(machine1 - machine0, 3), "this_thread_core_s": round(mine1 - mine0, 3)}
+        if self.pid is not None:
+            found["consumer_core_s"] = round(consumer1 - consumer0, 3)
+        return found
+
+
+def _machine_busy_s() -> float:
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    user, nice, system, _, _, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    utime, stime = stat[stat.rindex(")") + 2 :].split()[11:13]
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_run_end(index: Path, consumer: subprocess.Popen[Any], timeout_s: float = 600.0) -> None:
@@ -405,6 +449,50 @@ def device_fp8_cost(device: torch.device, hidden: int, slot_mib: int, repeats: i
     }
 
 
+def host_fp8_cost(hidden: int, slot_mib: int, repeats: int = 20) -> dict[str, Any]:
+    """What an fp8 store fed from a host ring costs the consumer per slot of bf16 rows, in CPU time
+    (``time.thread_time``, median of ``repeats``, one thread): the fused kernel the consumer quantizes
+    with out of the ring, the torch passes it replaces (what runs without numba), the CRC-32 of each
+    row of codes (the compiled kernel, and zlib), and a plain copy of the slot into touched memory."""
+    tensors = len(LAYERS) + 1
+    rows = slot_mib * MiB // (tensors * hidden * 2)
+    slot = torch.randn(tensors, rows, hidden).to(torch.bfloat16)
+    copy = torch.empty_like(slot)
+    scales, codes = torch.empty(rows), torch.empty(rows, hidden, dtype=FP8)
+    torch_passes = Quantizer(hidden, rows, fused=False)
+    fused = Quantizer(hidden, rows) if host_kernels() is not None else None
+
+    def timed(work: Callable[[], object]) -> float:
+        work()
+        times = []
+        for _ in range(repeats):
+            begin = time.thread_time()
+            work()
+            times.append(time.thread_time() - begin)
+        return round(statistics.median(times) * 1000, 3)
+
+    code_bytes = codes.view(torch.uint8).numpy()
+
+    def each(quantize: Quantizer) -> Callable[[], None]:
+        return lambda: [quantize(slot[t], scales, codes) for t in range(tensors)]
+
+    costs = {
+        "fused_kernel_ms": timed(each(fused)) if fused is not None else None,
+        "torch_passes_ms": timed(each(torch_passes)),
+        "row_crcs_ms": timed(lambda: [row_crcs(code_bytes, compiled=True) for _ in range(tensors)]),
+        "row_crcs_zlib_ms": timed(lambda: [row_crcs(code_bytes) for _ in range(tensors)]),
+        "copy_ms": timed(lambda: copy.copy_(slot)),
+    }
+    return {
+        "slot": f"[{tensors}, {rows}, {hidden}] bf16, {slot.nbytes / MiB:.0f} MiB",
+        **costs,
+        "gbps_of_rows": {k[:-3]: round(slot.nbytes / v / 1e6, 2) for k, v in costs.items() if v},
+        "note": "CPU time per slot, one thread (median); the consumer quantizes a host ring's rows with the "
+        "fused kernel where they lie and checksums each row of codes; without numba it copies the rows out "
+        "and the writer threads run the torch passes and zlib",
+    }
+
+
 def goals(results: dict[str, Any]) -> dict[str, Any]:
     return {
         f"store_vs_raw_disk_{name}": {
@@ -435,6 +523,8 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
     try:
         if device.type == "cuda" and "fp8" in dtypes:
             outcome.results["device_fp8"] = device_fp8_cost(device, args.hidden, args.slot_mib)
+        elif "fp8" in dtypes:
+            outcome.results["host_fp8"] = host_fp8_cost(args.hidden, args.slot_mib)
         for stored in dtypes:
             print(f"[store suite] {stored} ...", flush=True)
             outcome.results[stored] = measure(
@@ -470,7 +560,8 @@ def table(record: dict[str, Any]) -> str:
         f"{settings['repeats']} repeats in rotating order, {fs.get('type', '?')} on {fs.get('device', '?')}."
     )
     head = ("stored as", "first shard listed, s", "steady, GB/s", "producer closed, s", "last shard listed, s",
-            "run_end, s", "raw write, s", "raw fsync, s", "disk busy: store / raw")  # fmt: skip
+            "run_end, s", "raw write, s", "raw fsync, s", "disk busy: store / raw",
+            "core-s, store: consumer, producer, machine", "core-s, raw: writer, machine")  # fmt: skip
     lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name, data in stores.items():
         for phase, raw in zip(data.get("store_phases", []), data.get("raw_phases", [])):
@@ -478,7 +569,14 @@ def table(record: dict[str, Any]) -> str:
             cells = ["-" if phase.get(k) is None else phase[k] for k in keys]  # steady: needs two shards
             disks = phase.get("disk"), raw.get("disk")
             busy = f"{disks[0]['busy']:.2f} / {disks[1]['busy']:.2f}" if all(disks) else "-"
-            lines.append(f"| {name} | " + " | ".join(map(str, [*cells, raw["write_s"], raw["fsync_s"], busy])) + " |")
+            cpus = phase.get("cpu"), raw.get("cpu")
+            cores = ["-", "-"]
+            if all(cpus):
+                store, raw_cpu = cpus
+                keys = ("consumer_core_s", "this_thread_core_s", "machine_busy_core_s")
+                cores = [", ".join(f"{store[k]:.2f}" for k in keys), ", ".join(f"{raw_cpu[k]:.2f}" for k in keys[1:])]
+            cells += [raw["write_s"], raw["fsync_s"], busy, *cores]
+            lines.append(f"| {name} | " + " | ".join(map(str, cells)) + " |")
     cost = record["results"].get("device_fp8")
     if cost:
         lines.append(
@@ -486,6 +584,14 @@ def table(record: dict[str, Any]) -> str:
             f"({cost['quantize_gbps_of_rows']} GB/s of rows), row CRCs {cost.get('row_crcs_us', '-')} us, "
             f"device copy {cost['device_copy_us']} us; to the host: "
             f"rows {cost['to_host_rows_us']} us, codes + scales {cost['to_host_fp8_us']} us."
+        )
+    host = record["results"].get("host_fp8")
+    if host:
+        fused = "-" if host["fused_kernel_ms"] is None else f"{host['fused_kernel_ms']} ms"
+        lines.append(
+            f"\nfp8 on the host, CPU time per slot {host['slot']} on one thread: fused kernel {fused}, torch "
+            f"passes {host['torch_passes_ms']} ms, row CRCs {host['row_crcs_ms']} ms (zlib {host['row_crcs_zlib_ms']} "
+            f"ms), plain copy {host['copy_ms']} ms."
         )
     return "\n".join(lines)
 

@@ -18,12 +18,23 @@ import numpy as np
 import pytest
 import torch
 
-from hscapture import open_store
-from hscapture.config import ConsumerConfig
+from hscapture import CaptureConfig, Producer, open_store
+from hscapture.config import DTYPES, ConsumerConfig
+from hscapture.consumer import consume_command
 from hscapture.errors import StoreError
-from hscapture.fp8 import E4M3_MAX, dequantize_rows, quantize_into, quantize_rows
+from hscapture.fp8 import (
+    E4M3_MAX,
+    FP8,
+    NAN_CODE,
+    Quantizer,
+    dequantize_rows,
+    host_kernels,
+    quantize_into,
+    quantize_rows,
+)
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
+from tests.conftest import wait_attached
 from tests.storefeed import (
     HIDDEN,
     NAMES,
@@ -124,6 +135,82 @@ def test_quantize_into_gives_the_quantizers_bits_without_a_host_read(dtype: torc
         assert torch.equal(scales[t], want_scales), t
         assert nonfinite[t].tolist() == (~torch.isfinite(x[t])).sum(dim=1).tolist() and int(nonfinite[t].sum()) == count
     assert [int(nonfinite[t, r]) for t, r in ((0, 2), (1, 3), (1, 4), (2, 5))] == [3, 1, 64, 1]
+
+
+def test_the_fused_kernel_casts_every_float32_up_to_448_as_torch_does() -> None:
+    """Every float32 of magnitude <= 448, both signs (2.3e9 values: each e4m3 value, every tie between
+    two of them and every value next to one, the subnormal codes, zeros, float32 subnormals), in rows
+    whose largest magnitude is 448, so the scale is 1 and the codes are the cast of the values."""
+    kernels = host_kernels()
+    if kernels is None:
+        pytest.skip("no fused kernel: numba missing or disabled")
+    kernel = kernels[4]
+    rows, width = 4096, 4096
+    bits = np.empty((rows, width), dtype=np.uint32)
+    bits[:, 0] = np.float32(E4M3_MAX).view(np.uint32)
+    codes, scales, counts = np.empty((rows, width), np.uint8), np.empty(rows, np.float32), np.empty(rows, np.int32)
+    top = int(bits[0, 0])
+    per = rows * (width - 1)
+    checked = 0
+    for sign in (0, 0x80000000):
+        for start in range(0, top + 1, per):
+            values = np.arange(start, min(start + per, top + 1), dtype=np.uint32) | np.uint32(sign)
+            n = -(-len(values) // (width - 1))
+            bits[:n, 1:] = np.concatenate([values, np.zeros(-len(values) % (width - 1), np.uint32)]).reshape(n, -1)
+            assert kernel(bits[:n], codes[:n], scales[:n], counts[:n]) == 0 and (scales[:n] == 1.0).all()
+            want = torch.from_numpy(bits[:n].view(np.float32)).to(FP8).view(torch.uint8).numpy()
+            mismatch = np.flatnonzero(codes[:n] != want)
+            assert not len(mismatch), f"{bits[:n].view(np.float32).reshape(-1)[mismatch[:5]]} cast differently"
+            checked += len(values)
+    assert checked == 2 * (top + 1)
+
+
+def bf16_values_up_to(amax: float) -> torch.Tensor:
+    """Every bfloat16 bit pattern of magnitude <= ``amax`` (NaN and inf excluded), in float32."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    return every[torch.isfinite(every) & (every.abs() <= amax)]
+
+
+def policy_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The module docstring's policy, computed the plain way: (codes as uint8, scales, non-finite count)."""
+    x = x.float()
+    bad = ~torch.isfinite(x)
+    amax = x.abs().masked_fill(bad, 0.0).amax(dim=1)
+    scales = amax / torch.tensor(E4M3_MAX)
+    scales = torch.where(scales > 0, scales, 1.0)
+    codes = (x / scales[:, None]).to(FP8).view(torch.uint8).masked_fill(bad, NAN_CODE)
+    return codes, scales, int(bad.sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fused_and_torch_quantizers_agree_with_the_policy_bit_for_bit(dtype: torch.dtype) -> None:
+    """The fused host kernel, the torch passes it replaces and the policy written out plainly: every
+    bf16 value under row maxima from float32 subnormals to the dtype's largest, special rows (zero,
+    NaN, inf, nothing finite, below 448 float32 steps), rows over 60 orders of magnitude, strided rows."""
+    if host_kernels() is None:
+        pytest.skip("no fused kernel: numba missing or disabled")
+    width = 512
+    blocks = []
+    for amax in (448.0, 1.0, 3.140625, 2.0**-6, 2.0**-126, 2.0**-133, 1e-30, 1e30, 65504.0, 3.3895e38):
+        values = bf16_values_up_to(amax)
+        values = values[values.abs() <= torch.finfo(dtype).max]
+        cells = len(values) + -len(values) % (width - 1)
+        body = values[torch.arange(cells) % len(values)].reshape(-1, width - 1)  # the last row wraps around
+        top = values.abs().max().item()
+        blocks.append(torch.cat([torch.full((len(body), 1), top), body], dim=1))
+    spread = spread_rows(np.random.default_rng(3), 256, width) * torch.logspace(-30, 30, 256)[:, None]
+    blocks += [spread, special_rows(dtype, n=40, hidden=width).reshape(-1, width).float()]
+    x = torch.cat(blocks).to(dtype)
+    for rows in (x, x[:, ::2], x.t().contiguous().t()):  # contiguous, strided, column-major
+        want_codes, want_scales, want_count = policy_reference(rows)
+        for fused in (True, False):
+            quantize = Quantizer(rows.shape[1], len(rows), fused=fused)
+            scales = torch.empty(len(rows))
+            codes, count = quantize(rows, scales)
+            mismatch = (codes.view(torch.uint8) != want_codes).nonzero()
+            assert not len(mismatch), (fused, rows.stride(), mismatch[:5].tolist())
+            assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32)), fused
+            assert count == want_count > 0, fused
 
 
 def test_quantize_refuses_what_is_not_rows() -> None:
@@ -237,6 +324,53 @@ def test_rows_handed_in_quantized_make_the_same_files(tmp_path: Path) -> None:
         2: {"last": 1},
     }
     assert verify_store(stores["handed-in"]).ok
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_fp8_store_from_a_host_ring_is_quantized_out_of_the_ring(tmp_path: Path, endpoint: str, dtype: str) -> None:
+    """A real consumer of a host ring quantizes each chunk where it lies (no copy of the slot), in pieces
+    where a chunk spans shards, and stores the torch passes' bits; counts the non-finite values per
+    shard; the store verifies."""
+    if host_kernels() is None:
+        pytest.skip("no fused kernel: numba missing or disabled")
+    rows = special_rows(DTYPES[dtype], tensors=4, n=60, hidden=HIDDEN)  # special rows in the first request
+    config = CaptureConfig(layers=(1, 2, 3), hidden_size=HIDDEN, num_layers=4, dtype=dtype, device="cpu",
+                           slot_bytes=1 << 16, max_step_rows=32, policy="block", endpoint=endpoint)  # fmt: skip
+    row_bytes = 4 * HIDDEN * DTYPES[dtype].itemsize
+    options = ("--exit-on-eos", "--store-dtype", "fp8", "--heartbeat-ms", "50", "--shard-bytes", str(7 * row_bytes))
+    consumer = subprocess.Popen(consume_command(endpoint, tmp_path, *options), stderr=subprocess.PIPE, text=True)
+    steps = [(0, 20), (20, 45), (45, 60)]
+    try:
+        producer = Producer(config, tensor_descriptions=[f"tensor {i}" for i in range(4)], meta={"engine": "test"})
+        wait_attached(producer)
+        for step, (begin, end) in enumerate(steps):
+            producer.capture_step([plane[begin:end] for plane in rows], [f"r{step}"], [end - begin],
+                                  np.arange(end - begin), np.arange(begin, end))  # fmt: skip
+            producer.finish_request(f"r{step}", num_tokens=end - begin)
+        producer.close()
+        _, stderr = consumer.communicate(timeout=120)
+    finally:
+        consumer.kill()
+    assert consumer.returncode == 0, stderr
+    assert "fp8 quantized out of the ring" in stderr
+    store = open_store(tmp_path)
+    assert store.quantized and sorted(store.keys(complete_only=True)) == ["r0", "r1", "r2"]
+    assert len(shard_files(tmp_path)) == 9, "7 rows a shard: chunks of 20 and 25 rows span shards"
+    for step, (begin, end) in enumerate(steps):
+        raw = store.get(f"r{step}", dequantize=False)
+        for t, name in enumerate(store.tensor_names):
+            scales = torch.empty(end - begin)
+            codes, _ = Quantizer(HIDDEN, end - begin, fused=False)(rows[t, begin:end], scales)
+            assert torch.equal(raw[name].view(torch.uint8), codes.view(torch.uint8)), (step, name)
+            assert torch.equal(raw[f"{name}.scale"], scales), (step, name)
+    lines = [json.loads(line) for line in (tmp_path / "index.jsonl").read_text().splitlines()]
+    counted: dict[str, int] = {}
+    for line in lines:
+        for name, count in line.get("nonfinite", {}).items():
+            counted[name] = counted.get(name, 0) + count
+    want = {name: int((~torch.isfinite(rows[t])).sum()) for t, name in enumerate(store.tensor_names)}
+    assert counted == {name: count for name, count in want.items() if count} and counted["layer_2"] >= 1 + HIDDEN
+    assert verify_store(tmp_path).ok
 
 
 def test_quantized_rows_are_refused_by_a_store_of_captured_rows(tmp_path: Path) -> None:

@@ -5,8 +5,9 @@ store. It says hello on the ``release`` socket until a producer answers with a
 :class:`~hscapture.protocol.Layout`, opens the ring that layout describes (once), and then for
 each announced chunk: reserves rows in the store (destination views in its shard buffers),
 copies the slot's planes into them (asynchronously on the CUDA ring, where rows bound for an fp8
-store are quantized on the GPU first: :mod:`hscapture.consumer.device_fp8`), and once the copies
-have landed releases the slot and commits the rows with their requests, positions and tokens.
+store are quantized on the GPU first: :mod:`hscapture.consumer.device_fp8`; from a host ring such
+rows are quantized where they lie instead of copied: :mod:`hscapture.consumer.host_fp8`), and once
+the copies have landed releases the slot and commits the rows with their requests, positions and tokens.
 Request ends are handed to the store in wire order, after the rows announced before them.
 Writer threads take it from there. It keeps saying hello as a heartbeat, which is how a
 restarted producer (new run id) finds it again. With ``discard`` there is no store: each chunk
@@ -35,10 +36,12 @@ import zmq
 from hscapture import protocol
 from hscapture.config import DTYPES, ConsumerConfig
 from hscapture.consumer.device_fp8 import DeviceQuantizer
+from hscapture.consumer.host_fp8 import HostQuantizer
 from hscapture.consumer.metrics import DropTally, Snapshot
 from hscapture.errors import AccessError, HSCaptureError, ProtocolError, short_repr
 from hscapture.ownership import pid_alive, process_place
 from hscapture.ring import CudaRingReader, RingReader, open_ring
+from hscapture.ring.host import HostRingReader
 from hscapture.store.records import Finish
 from hscapture.store.writer import Reservation, RowGeometry, StoreWriter
 from hscapture.transport import ConsumerSockets, client_credentials, read_token
@@ -133,8 +136,9 @@ class Consumer:
         self._plane_row_bytes = 0
         #: With discard: the one buffer every chunk is copied into.
         self._discard: np.ndarray | None = None
-        #: For an fp8 store fed from a CUDA ring: quantizes each chunk on the GPU before the copy out.
-        self._quantizer: DeviceQuantizer | None = None
+        #: For an fp8 store: quantizes each chunk on the GPU before the copy out of a CUDA ring, or out of
+        #: a host ring's shared memory in place of the copy.
+        self._quantizer: DeviceQuantizer | HostQuantizer | None = None
         self._last_seq = 0
         self._producer_pid = 0
         #: The last announcement taken per slot (seq, hash of its bytes): the very same announcement
@@ -279,13 +283,16 @@ class Consumer:
             geometry = RowGeometry(
                 tuple(layout.tensor_names), tuple(layout.tensor_descriptions), layout.dtype, layout.hidden_size
             )
+            tensors, dtype = len(layout.tensor_names), DTYPES[layout.dtype]
+            max_rows = layout.slot_bytes // geometry.row_bytes
             on_gpu = self.store.fp8 and isinstance(ring, CudaRingReader)
-            self.store.begin_run(layout.run_id, geometry, layout.meta, allocate=ring.allocate, quantized=on_gpu)
-            if on_gpu:
-                assert isinstance(ring, CudaRingReader)
-                tensors, dtype = len(layout.tensor_names), DTYPES[layout.dtype]
-                max_rows = layout.slot_bytes // geometry.row_bytes
+            on_host = self.store.fp8 and isinstance(ring, HostRingReader) and HostQuantizer.available(dtype)
+            quantized = on_gpu or on_host
+            self.store.begin_run(layout.run_id, geometry, layout.meta, allocate=ring.allocate, quantized=quantized)
+            if isinstance(ring, CudaRingReader) and on_gpu:
                 self._quantizer = DeviceQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows)
+            elif isinstance(ring, HostRingReader) and on_host:
+                self._quantizer = HostQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows)
         self._layout = layout
         # A producer we cannot see (another pid namespace) is not watched: never end a live run.
         self._producer_pid = layout.pid if 0 < layout.pid < 2**31 and pid_alive(layout.pid) else 0
@@ -300,10 +307,9 @@ class Consumer:
         while gate is not None and not gate.exists() and not self._stopping:
             time.sleep(0.01)
         self._hello()  # confirms the layout: the producer starts announcing
-        on_gpu = "; fp8 quantized on the GPU" if self._quantizer is not None else ""
-        log.info(
-            "attached to run %s (%d slots of %d bytes%s)", layout.run_id, layout.num_slots, layout.slot_bytes, on_gpu
-        )
+        where = {DeviceQuantizer: "; fp8 quantized on the GPU", HostQuantizer: "; fp8 quantized out of the ring"}
+        slots, quantizing = (layout.num_slots, layout.slot_bytes), where.get(type(self._quantizer), "")
+        log.info("attached to run %s (%d slots of %d bytes%s)", layout.run_id, *slots, quantizing)
 
     def _on_refused(self, message: protocol.Refused) -> None:
         """Another consumer is attached: ask again for longer than the producer takes to count it gone, then stop."""

@@ -142,9 +142,14 @@ class HostRingReader(RingReader):
         self.nbytes = nbytes
 
     def copy_into(self, offset: int, dst: np.ndarray) -> None:
-        if offset < 0 or offset + dst.nbytes > self.nbytes:
-            raise ProtocolError(f"Chunk: bytes {offset}..{offset + dst.nbytes} fall outside the ring of {self.nbytes}")
-        dst[:] = self._view[offset : offset + dst.nbytes]
+        dst[:] = self.view(offset, dst.nbytes)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """The ``nbytes`` ring bytes at ``offset``, read-only, uncopied (for reading a slot in place
+        between ``begin`` and its release; valid until :meth:`close`)."""
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ProtocolError(f"Chunk: bytes {offset}..{offset + nbytes} fall outside the ring of {self.nbytes}")
+        return self._view[offset : offset + nbytes]
 
     def close(self) -> None:
         if self._map is None:

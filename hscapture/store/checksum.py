@@ -7,17 +7,23 @@ file's from its tensors' with :func:`crc32_combine`, so no byte is checksummed t
 
 Rows quantized on the GPU get their CRCs there too (:class:`RowCrcs`): ``zlib.crc32`` holds the GIL
 on buffers under 5 KiB, so a 4 KiB fp8 row checksummed on a writer thread stalls the consumer's
-main thread, which is what set the pace of an fp8 store on the H200.
+main thread, which is what set the pace of an fp8 store on the H200. On the host, writers take
+:func:`row_crcs` with ``compiled``: a kernel folding each row with the CPU's carry-less multiply
+(:func:`crc_kernel`), the same bits at ~12 GB/s per thread against zlib's ~5.6 on 4 KiB rows,
+without the GIL.
 """
 
 from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
+
+from hscapture import jit
 
 
 def combine(parts: Iterable[tuple[int, int]]) -> int:
@@ -43,11 +49,129 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
-def row_crcs(rows: np.ndarray) -> np.ndarray:
-    """``[n]`` uint32 CRC-32 of each row of a ``[n, row_bytes]`` uint8 array."""
+def row_crcs(rows: np.ndarray, compiled: bool = False) -> np.ndarray:
+    """``[n]`` uint32 CRC-32 of each row of a ``[n, row_bytes]`` uint8 array.
+
+    With ``compiled``, by :func:`crc_kernel` where there is one (it is compiled on the first such
+    call: writers ask for it when a run begins; readers never do), else by zlib: the same bits.
+    """
     n, width = rows.shape
-    flat = memoryview(np.ascontiguousarray(rows).reshape(-1))
+    rows = np.ascontiguousarray(rows)
+    kernel = crc_kernel() if compiled else None
+    if kernel is not None:
+        out = np.empty(n, dtype=np.uint32)
+        kernel(rows, out)
+        return out
+    flat = memoryview(rows.reshape(-1))
     return np.fromiter((zlib.crc32(flat[i : i + width]) for i in range(0, n * width, width)), np.uint32, n)
+
+
+def crc_kernel() -> Callable[[np.ndarray, np.ndarray], None] | None:
+    """``kernel(rows, out)``: the CRC-32 of each row of ``[n, width]`` uint8 ``rows`` into ``[n]`` uint32
+    ``out``, releasing the GIL; None without numba or an x86 CPU with carry-less multiply (PCLMULQDQ)."""
+    return jit.compiled(_compile_crc)
+
+
+def _compile_crc(numba: Any) -> Any:
+    """zlib's CRC-32 by folding: 64 bytes at a time in four 128-bit lanes, each multiplied (carry-less)
+    by x^k modulo the polynomial and xored into the next, then folded to 32 bits and Barrett-reduced
+    (Intel, "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", 2009; the constants of
+    Linux's ``crc32-pclmul_asm.S``); tails of under 16 bytes, and rows under 64, byte by byte from a table."""
+    if not jit.has_cpu_feature("pclmul"):
+        return None
+    from llvmlite import ir
+    from numba.extending import intrinsic
+
+    u64, u32 = np.uint64, np.uint32
+    pair = numba.types.UniTuple(numba.uint64, 2)
+
+    def multiply(builder: Any, x: tuple[Any, Any], k: tuple[Any, Any], selector: int) -> Any:
+        """``pclmulqdq`` of two 128-bit values given as (low, high) 64-bit halves."""
+        lane = ir.VectorType(ir.IntType(64), 2)
+        function = builder.module.declare_intrinsic(
+            "llvm.x86.pclmulqdq", fnty=ir.FunctionType(lane, [lane, lane, ir.IntType(8)])
+        )
+        vectors = []
+        for low, high in (x, k):
+            vector = builder.insert_element(ir.Constant(lane, ir.Undefined), low, ir.Constant(ir.IntType(32), 0))
+            vectors.append(builder.insert_element(vector, high, ir.Constant(ir.IntType(32), 1)))
+        return builder.call(function, [*vectors, ir.Constant(ir.IntType(8), selector)])
+
+    def halves(context: Any, builder: Any, signature: Any, vector: Any) -> Any:
+        low, high = (builder.extract_element(vector, ir.Constant(ir.IntType(32), i)) for i in (0, 1))
+        return context.make_tuple(builder, signature.return_type, (low, high))
+
+    @intrinsic
+    def fold(typingctx: Any, low: Any, high: Any, k_low: Any, k_high: Any) -> Any:
+        """(low, high) * k_low ^ high * k_high, carry-less: a 128-bit lane advanced by the fold distance."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            x, k = (args[0], args[1]), (args[2], args[3])
+            lanes = builder.xor(multiply(builder, x, k, 0x00), multiply(builder, x, k, 0x11))
+            return halves(context, builder, signature, lanes)
+
+        return pair(numba.uint64, numba.uint64, numba.uint64, numba.uint64), codegen
+
+    @intrinsic
+    def times(typingctx: Any, a: Any, b: Any) -> Any:
+        """a * b, carry-less, 64 x 64 -> 128 bits as (low, high)."""
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            zero = ir.Constant(ir.IntType(64), 0)
+            return halves(context, builder, signature, multiply(builder, (args[0], zero), (args[1], zero), 0x00))
+
+        return pair(numba.uint64, numba.uint64), codegen
+
+    k1, k2, k3, k4, k5 = u64(0x154442BD4), u64(0x1C6E41596), u64(0x1751997D0), u64(0xCCAA009E), u64(0x163CD6124)
+    poly, mu, low32 = u64(0x1DB710641), u64(0x1F7011641), u64(0xFFFFFFFF)
+    table = np.arange(256, dtype=np.uint32)  # one byte's step of the reflected CRC: zlib's table
+    for _ in range(8):
+        table = np.where(table & 1, (table >> 1) ^ u32(0xEDB88320), table >> 1).astype(np.uint32)
+
+    @numba.njit(inline="always")
+    def crc32(row: np.ndarray) -> int:
+        n = row.shape[0]
+        crc = u32(0xFFFFFFFF)
+        done = 0
+        if n >= 64:
+            done = n // 16 * 16
+            q = row[:done].view(np.uint64)
+            a0, a1, b0, b1 = q[0] ^ u64(crc), q[1], q[2], q[3]
+            c0, c1, d0, d1 = q[4], q[5], q[6], q[7]
+            j = 8
+            while j + 8 <= q.shape[0]:
+                a0, a1 = fold(a0, a1, k1, k2)
+                b0, b1 = fold(b0, b1, k1, k2)
+                c0, c1 = fold(c0, c1, k1, k2)
+                d0, d1 = fold(d0, d1, k1, k2)
+                a0, a1, b0, b1 = a0 ^ q[j], a1 ^ q[j + 1], b0 ^ q[j + 2], b1 ^ q[j + 3]
+                c0, c1, d0, d1 = c0 ^ q[j + 4], c1 ^ q[j + 5], d0 ^ q[j + 6], d1 ^ q[j + 7]
+                j += 8
+            a0, a1 = fold(a0, a1, k3, k4)  # four lanes into one
+            a0, a1 = fold(a0 ^ b0, a1 ^ b1, k3, k4)
+            a0, a1 = fold(a0 ^ c0, a1 ^ c1, k3, k4)
+            a0, a1 = a0 ^ d0, a1 ^ d1
+            while j + 2 <= q.shape[0]:
+                a0, a1 = fold(a0, a1, k3, k4)
+                a0, a1 = a0 ^ q[j], a1 ^ q[j + 1]
+                j += 2
+            low, high = times(a0, k4)  # 128 -> 96 bits
+            x0, x1 = low ^ a1, high
+            low, high = times(x0 & low32, k5)  # 96 -> 64 bits
+            y = ((x0 >> u64(32)) | (x1 << u64(32))) ^ low
+            low, _ = times(y & low32, mu)  # Barrett: 64 -> 32 bits
+            low, _ = times(low & low32, poly)
+            crc = u32(((y ^ low) >> u64(32)) & low32)
+        for i in range(done, n):
+            crc = table[(crc ^ row[i]) & u32(0xFF)] ^ (crc >> u32(8))
+        return u32(crc ^ u32(0xFFFFFFFF))
+
+    def rows_crc32(rows: np.ndarray, out: np.ndarray) -> None:
+        for r in range(rows.shape[0]):
+            out[r] = crc32(rows[r])
+
+    rows = numba.types.Array(numba.uint8, 2, "C", readonly=True)
+    return numba.njit(numba.void(rows, numba.uint32[::1]), nogil=True, boundscheck=False)(rows_crc32)
 
 
 class RowCrcs:

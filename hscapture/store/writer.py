@@ -27,8 +27,9 @@ import numpy as np
 
 from hscapture.config import DTYPES, default_writer_threads, store_dtype_name
 from hscapture.errors import StoreError
-from hscapture.fp8 import FP8_NAME
+from hscapture.fp8 import FP8_NAME, host_kernels
 from hscapture.ownership import open_own
+from hscapture.store.checksum import crc_kernel
 from hscapture.store.files import lock_store, prepare_store_dir, remove_stale_temps, write_atomic
 from hscapture.store.format import (
     INDEX_FILE,
@@ -220,7 +221,7 @@ class StoreWriter:
         #: Requests whose shards are listed and whose line names a donor whose own line is not yet.
         self._held: list[str] = []
         self._arrivals = 0
-        self._allocate: Callable[[int], np.ndarray] = _pageable
+        self._allocate: Callable[[int], np.ndarray] = _pageable_bytes
         #: Rows committed, and requests whose line is written.
         self.rows_written = 0
         self.requests_written = 0
@@ -278,8 +279,8 @@ class StoreWriter:
                 device copies into fastest); by default pageable numpy memory.
             quantized: the caller hands in rows already quantized (fp8 codes, scales and non-finite
                 counts, bit for bit what :func:`hscapture.fp8.quantize_rows` gives, and each row's
-                CRC-32; see :class:`Rows`), e.g. quantized on the GPU before the copy out. Only in an
-                fp8 store.
+                CRC-32; see :class:`Rows`), e.g. quantized on the GPU before the copy out, or where they
+                lie in a host ring. Only in an fp8 store.
 
         Raises:
             StoreError: the store holds other tensors.
@@ -318,6 +319,9 @@ class StoreWriter:
         self._index.flush()  # once per run: the run is on record before its first rows
         while self._buffers_made < self.shard_buffers:  # allocate (pin) them now, not under the rows
             self._free.put(self._new_buffer(self._run))
+        crc_kernel()  # compile the writer threads' row checksums now, and their quantizer: not under the rows
+        if self.fp8 and not quantized:
+            host_kernels()
 
     def end_run(self, reason: str, counters: dict[str, int]) -> None:
         """Write the open shard, wait for all writes, and close every request of the run.
@@ -672,11 +676,9 @@ class StoreWriter:
             os.close(fd)
 
 
-def _pageable(nbytes: int) -> np.ndarray:
-    """Host memory, touched now: a fresh page faults on its first write, which must not happen under the rows."""
-    array = np.empty(nbytes, dtype=np.uint8)
-    array.fill(0)
-    return array
+def _pageable_bytes(nbytes: int) -> np.ndarray:
+    """Pageable host memory (a shard buffer writes every page of it when made)."""
+    return np.empty(nbytes, dtype=np.uint8)
 
 
 def _write_and_free(
