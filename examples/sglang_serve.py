@@ -32,7 +32,9 @@ model = args.model_path or ensure_tiny_model()
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-serve = [sys.executable, "-m", "hscapture", "serve", "--out", str(args.out)]
+# block: this demo reads back every request it sent, so serving waits for the consumer (on a busy host it may attach
+# after the first requests are served). The default, drop, never makes serving wait and counts what it drops.
+serve = [sys.executable, "-m", "hscapture", "serve", "--out", str(args.out), "--policy", "block"]
 sglang_args = [
     "--model-path",
     str(model),

@@ -597,22 +597,24 @@ def _capture(
     sample; ``total_*``: what the bar counts to, if known), end the stream and check the store."""
     endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
     launched = time.monotonic()
-    consumer = start_consumer(endpoint, options, lock)
+    # The bar first: a job of --data-parallel asked to stop from here on stops at the bar's next update, once the
+    # consumer and the producer are up, and so finishes its store (stopped while they start, it killed the consumer).
+    with bar(total_tokens) as progress:
+        consumer = start_consumer(endpoint, options, lock)
 
-    def consumer_alive() -> None:
-        if consumer.poll() is not None:
-            raise consumer_error(consumer.returncode, out, "; the engine was stopped")
+        def consumer_alive() -> None:
+            if consumer.poll() is not None:
+                raise consumer_error(consumer.returncode, out, "; the engine was stopped")
 
-    try:
-        engine.start(endpoint, meta, consumer_alive, longest)
-    except BaseException:
-        consumer.kill()
-        raise
-    started, started_at = time.monotonic(), time.time()
-    samples = tokens = empty = 0
-    ended = False
-    try:
-        with bar(total_tokens) as progress:
+        try:
+            engine.start(endpoint, meta, consumer_alive, longest)
+        except BaseException:
+            consumer.kill()
+            raise
+        started, started_at = time.monotonic(), time.time()
+        samples = tokens = empty = 0
+        ended = False
+        try:
             for batch in batches:
                 consumer_alive()
                 waited = engine.waited_s()
@@ -621,12 +623,12 @@ def _capture(
                 empty += sum(not any(sample.loss_mask) for sample in batch)
                 progress.set_postfix_str(_status(samples, total_samples, waited, engine.waited_s()), refresh=False)
                 progress.update(sum(len(s.input_ids) for s in batch))
-        engine.end()
-        ended = True
-    finally:
-        if not ended:
-            engine.shutdown()  # the consumer sees its producer end (or die) and finishes the store
-        code = wait_consumer(consumer)
+            engine.end()
+            ended = True
+        finally:
+            if not ended:
+                engine.shutdown()  # the consumer sees its producer end (or die) and finishes the store
+            code = wait_consumer(consumer)
     seconds = time.monotonic() - started
     if code != 0:
         raise consumer_error(code, out)
