@@ -13,17 +13,16 @@ layers and the last layer (``--hidden`` wide, bf16), drop policy, a ring of 32 s
 takes one), a ``--discard`` consumer process attached.
 On a CPU (``--device cpu``, host ring) each step instead sleeps ``--queued-ms`` outside the
 hooks, so the consumer keeps up; only the GPU run measures what the goal is about.
-Four variants (three on a CPU), batch size by batch size, alternating, with the same producer and consumer:
+Four variants, batch size by batch size, alternating, with the same producer and consumer:
 
 * ``deferred`` (the plugin): ``after_forward`` copies the rows into the ring, the aux layers and the
   last layer by one ``torch.cat`` launch into a strided view of the slot, and records the slot's
-  event (``Producer.write_step``); ``after_batch_result`` announces them with token ids from each
-  request's host copy (``Producer.announce_step``).
-* ``deferred-memcpy`` (GPU, with cupy): ``deferred`` with every captured tensor's plane written by
-  one ``cudaMemcpy2DAsync`` through cupy's runtime API (4 driver calls, no torch dispatch) instead
-  of the ``torch.cat``; checked to write the same bytes first (left out, saying why, when it does
-  not or cannot run). Whether the driver's copies cost the host less than torch's launch only a
-  GPU run says.
+  event; a decode step of the same requests as the step before goes into the same slot, after its
+  rows (``Producer.extend_step``), up to ``RUN_STEPS`` steps or a full slot. ``after_batch_result``
+  announces a run once it is closed, in one chunk, with token ids from each request's host copy
+  (``Producer.announce_step``).
+* ``per-step``: the plugin with runs of one step (``run_steps = 1``): every decode step its own slot,
+  chunk and announcement, what it did before runs.
 * ``sync`` (the hook before that change): the same rows announced at once by ``capture_step``,
   token ids read from the batch's device ``input_ids`` (``.cpu()``: the host waits for the
   forward). Its row bookkeeping is the new one, so it is a lower bound of the old hook's cost.
@@ -47,7 +46,6 @@ per step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import io
 import json
@@ -59,7 +57,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +68,6 @@ from benchmarks.sglang_standin import FINISH_ABORT, ForwardMode, OverlapSchedule
 from hscapture.config import SLOT_ALIGN, CaptureConfig
 from hscapture.consumer import consume_command
 from hscapture.integrations.sglang import SGLangCapture
-from hscapture.producer import Producer
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS = (2, 16, 29)
@@ -84,8 +81,10 @@ class SyncCapture(SGLangCapture):
 
     def _capture(self, worker: Any, batch: Any, output: Any) -> None:
         if batch.forward_mode.is_decode():
-            plan, positions = self._decode_rows(batch)
+            plan = self._decode_plan(batch)
+            self._decoded = batch.seq_lens_cpu
             rids, counts, total = plan.rids, plan.ones, len(plan.reqs)
+            positions = np.subtract(batch.seq_lens_cpu.numpy(), 1, dtype=np.int64)
         else:
             rows = self._rows(batch)
             rids, counts, positions, total = rows.rids, rows.counts, rows.positions, rows.total
@@ -113,70 +112,6 @@ class FloorCapture(SGLangCapture):
     def after_batch_result(self, result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
         if not batch.forward_mode.is_decode():
             super().after_batch_result(result, scheduler, batch, *args, **kwargs)
-
-
-WholeStep = Callable[[torch.Tensor, Sequence[torch.Tensor], tuple[int, ...], int], None]
-
-
-@contextlib.contextmanager
-def whole_steps_by(producer: Producer, fast: WholeStep) -> Iterator[None]:
-    """While inside: a whole step of dense states (no row index, one slot, rows contiguous) goes into its slot
-    by ``fast(planes, states, spans, rows)`` (``planes``: the slot's ``[tensors, rows, hidden]``); any other
-    write is the producer's own."""
-
-    def write(
-        slot: int,
-        states: Sequence[torch.Tensor],
-        spans: tuple[int, ...],
-        row_index: torch.Tensor | None,
-        begin: int,
-        count: int,
-    ) -> None:
-        if row_index is not None or begin or count != states[0].shape[0] or any(s.stride(1) != 1 for s in states):
-            return Producer._write(producer, slot, states, spans, row_index, begin, count)
-        fast(producer._targets(slot, count, spans)[0], states, spans, count)
-
-    producer._write = write  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del producer._write
-
-
-def plane_copies(producer: Producer) -> contextlib.AbstractContextManager[None]:
-    """(CUDA ring) A whole step goes into its slot by one ``cudaMemcpy2DAsync`` per captured tensor's plane,
-    through cupy's runtime API on torch's current stream: no torch dispatch, no reshape."""
-    from cupy.cuda import runtime
-
-    item, hidden = producer.config.itemsize, producer.config.hidden_size
-    width, device_to_device = hidden * item, runtime.memcpyDeviceToDevice
-    raw_stream = torch._C._cuda_getCurrentRawStream
-
-    def copies(planes: torch.Tensor, states: Sequence[torch.Tensor], spans: tuple[int, ...], count: int) -> None:
-        dst, plane, stream = planes.data_ptr(), count * width, raw_stream(planes.device.index)
-        for state, k in zip(states, spans):
-            src, pitch = state.data_ptr(), state.stride(0) * item
-            for j in range(k):
-                runtime.memcpy2DAsync(dst, width, src + j * width, pitch, width, count, device_to_device, stream)
-                dst += plane
-
-    return whole_steps_by(producer, copies)
-
-
-def check_variant(
-    producer: Producer, hidden: int, device: str, variant: Callable[[Producer], contextlib.AbstractContextManager[None]]
-) -> str:
-    """Empty when ``variant`` leaves the very bytes the producer's own write leaves in slot 0; else why not."""
-    states = (torch.randn(5, 3 * hidden, device=device).bfloat16(), torch.randn(5, hidden, device=device).bfloat16())
-    producer._write(0, states, (3, 1), None, 0, 5)
-    want = producer._slots[0][: 4 * 5 * hidden].clone()
-    producer._slots[0].zero_()
-    try:
-        with variant(producer):
-            producer._write(0, states, (3, 1), None, 0, 5)
-    except Exception as exc:  # e.g. no cupy: the variant is left out, the run goes on
-        return f"{type(exc).__name__}: {exc}"
-    return "" if torch.equal(producer._slots[0][: 4 * 5 * hidden], want) else "it wrote other bytes than the producer"
 
 
 def _git_head() -> str:
@@ -334,7 +269,9 @@ def main() -> None:
     deferred = capture_with_producer(config)
     sync = SyncCapture(deferred.settings)
     floor = FloorCapture(deferred.settings)
-    for other in (sync, floor):
+    per_step = SGLangCapture(deferred.settings)
+    per_step.run_steps = 1
+    for other in (sync, floor, per_step):
         other.producer, other.layers, other.hidden, other.checked = (
             deferred.producer,
             deferred.layers,
@@ -342,32 +279,16 @@ def main() -> None:
             True,
         )
     results: dict[str, dict[str, Any]] = {}
-    left_out: dict[str, str] = {}
     try:
-        # Slot 0 is free: nothing is attached yet. A variant that writes other bytes, or cannot run here (plane
-        # copies need cupy), is left out and says why (in the JSON too): the rest of the run still counts.
-        writers = {"deferred-memcpy": plane_copies} if args.device == "cuda" else {}
-        for name, writer in list(writers.items()):
-            why = check_variant(deferred.producer, args.hidden, args.device, writer)
-            if why:
-                print(f"{name} left out: {why}", flush=True)
-                left_out[name] = why
-                del writers[name]
         while not deferred.producer.attached:
             deferred.producer.poll()
             time.sleep(0.01)
         first = 0
         for n, batch in enumerate(args.batches):
-            variants = [
-                ("deferred", deferred),
-                *((name, deferred) for name in writers),
-                ("sync", sync),
-                ("floor", floor),
-            ]
+            variants = [("deferred", deferred), ("per-step", per_step), ("sync", sync), ("floor", floor)]
             for name, capture in variants if n % 2 == 0 else variants[::-1]:
                 profile = name == "deferred" and batch == GOAL_BATCH
-                with writers[name](capture.producer) if name in writers else contextlib.nullcontext():
-                    result = measure(capture, batch, args, first, profile)
+                result = measure(capture, batch, args, first, profile)
                 results.setdefault(str(batch), {})[name] = result
                 first += batch
                 print(f"batch {batch:>4} {name:>12}: {_brief(result)}", flush=True)
@@ -389,7 +310,6 @@ def main() -> None:
         },
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "out"},
         "results": results,
-        **({"variants_left_out": left_out} if left_out else {}),
         "goal": {
             "what": f"deferred hooks at batch {GOAL_BATCH}: median host time per decode step <= {GOAL_US} us",
             "value_us": goal,

@@ -48,6 +48,41 @@ def test_rows_written_early_are_stored_with_the_metadata_given_later(
         assert got["positions"].tolist() == list(range(n + 1))
 
 
+def test_decode_steps_extend_one_slot_and_are_stored_as_if_written_one_by_one(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    """Steps of the same requests in one slot (a decode run): one chunk, every row where it belongs."""
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    producer = make_producer(make_config(endpoint, policy="block", slots=4, rows_per_slot=8))
+    wait_attached(producer)
+    owners = (("a", "b", "c"), (1, 1, 1))
+    steps = [rows(3, 10 + s) for s in range(3)]  # requests a, b, c at position s
+    run = producer.write_step(steps[0], *owners, extendable=True)
+    assert producer.extend_step(run, steps[1], *owners)
+    assert not producer.extend_step(run, steps[2], *owners)  # 9 rows do not fit 8
+    alone = producer.write_step(steps[2], *owners)
+    assert not producer.extend_step(alone, steps[2], *owners)  # not written extendable
+    assert run.rows == run.written == 6 and list(run.request_ids) == ["a", "b", "c"] * 2
+    for state in (*steps[0], *steps[1]):
+        state.zero_()  # the engine overwrites its outputs: the ring holds the rows
+    assert producer.announce_step(run, [0, 0, 0, 1, 1, 1], [40, 41, 42, 50, 51, 52]) == 6
+    assert not producer.extend_step(run, steps[2], *owners)  # announced: closed
+    assert producer.announce_step(alone, [2, 2, 2], [60, 61, 62]) == 3
+    for rid in "abc":
+        producer.finish_request(rid, num_tokens=3)
+    producer.close()
+    assert consumer.wait(60) == 0
+    store = open_store(tmp_path)
+    for i, rid in enumerate("abc"):
+        assert store.record(rid)["status"] == "complete"
+        got = store.get(rid)
+        assert got["positions"].tolist() == [0, 1, 2]
+        assert got["input_ids"].tolist() == [40 + i, 50 + i, 60 + i]
+        for t, name in enumerate(store.tensor_names):
+            want = torch.stack([rows(3, 10 + s)[t][i] for s in range(3)])
+            assert torch.equal(got[name], want), (rid, name)
+
+
 def test_written_slots_stay_the_producers_until_announced(
     tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:

@@ -36,7 +36,7 @@ from benchmarks.sglang_standin import (
     expected_row,
 )
 from hscapture import CaptureConfig, open_store
-from hscapture.integrations.sglang import MAX_PENDING
+from hscapture.integrations.sglang import MAX_PENDING, RUN_STEPS
 from tests.conftest import ConsumerFactory, wait_attached
 
 HIDDEN = 32
@@ -175,23 +175,25 @@ def test_rows_wait_for_their_tokens_and_a_stuck_forward_stops_capture(
     assert not capture.pending  # prompt tokens are on the host at once
     req.output_ids.append(21)
     capture.after_batch_result(None, None, forward(req, ForwardMode.DECODE, [3]))
-    assert not capture.pending
-    decode = forward(req, ForwardMode.DECODE, [4])  # its token, the next output, is not on the host yet
+    assert len(capture.pending) == 1  # a decode run: later steps of the same requests join its slot
+    decode = forward(req, ForwardMode.DECODE, [4])  # joins it; its token, the next output, is not on the host yet
     capture.after_batch_result(None, None, nothing)
     assert len(capture.pending) == 1
     req.output_ids.extend([22, 23])
     req.finished_reason = FINISH_LENGTH(3)
-    capture.after_batch_result(None, None, decode)  # announced, then finished
+    capture.after_batch_result(None, None, decode)  # the run is announced, then the request finished
     assert not capture.pending and capture.enabled
 
-    # Forwards whose tokens never reach the host: capture stops, loudly; serving goes on.
+    # Forwards whose tokens never reach the host: capture stops, loudly; serving goes on. A run takes at most
+    # RUN_STEPS of them (fewer when its slot fills).
     stuck = Req("s", [1], SamplingParams(max_new_tokens=9))
     with caplog.at_level(logging.ERROR, logger="hscapture.integrations.sglang"):
-        for position in range(1, MAX_PENDING + 1):
+        for position in range(1, (MAX_PENDING + 1) * RUN_STEPS + 1):
+            assert len(capture.pending) <= MAX_PENDING
             forward(stuck, ForwardMode.DECODE, [position])
+            if not capture.enabled:
+                break
             capture.after_batch_result(None, None, nothing)
-        assert capture.enabled and len(capture.pending) == MAX_PENDING
-        forward(stuck, ForwardMode.DECODE, [MAX_PENDING + 1])
     assert not capture.enabled and "forwards wait to be announced" in caplog.text
     assert consumer.wait(60) == 1  # the run ended in a capture failure: --exit-on-eos says so
     store = open_store(tmp_path)

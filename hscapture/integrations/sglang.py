@@ -13,7 +13,10 @@ settings; then it registers four hooks through SGLang's ``HookRegistry`` (no sou
   SGLang keeps, for every token of every batch, the concatenated aux states
   (``logits_output.hidden_states``) and the post-norm last layer (``.last_hidden_states``),
   inside CUDA graphs too; after a graph replay both are views the next replay overwrites, so
-  the producer copies them into its ring at once (a device copy, no host sync).
+  the producer copies them into its ring at once (a device copy, no host sync). Decode steps
+  of the same requests go into one slot, one after another (a *decode run*: up to
+  :data:`RUN_STEPS` steps, or a full slot), announced as one chunk: the announcement's work
+  (token ids, the chunk, the sockets) is paid once per run, not per step.
 * AFTER ``Scheduler.process_batch_result``: announces the rows whose token ids the host now
   holds, then ends the requests that finished or were aborted (with their retraction count).
 * AROUND ``Scheduler.handle_rpc_request``: ``Engine.collective_rpc(CLOSE_RPC)`` closes the
@@ -26,12 +29,14 @@ batches one row per request at ``seq_lens_cpu[i] - 1``. A position a request alr
 
 No hook reads a device tensor on the host. Under SGLang's overlap scheduler (on by default on
 GPUs) a decode step's input tokens are still on the device when its forward is launched, so
-the forward hook copies the rows into the ring at once (``Producer.write_step``, on the forward
-stream) and the rows are announced (``Producer.announce_step``) from a later
-``process_batch_result`` hook, as soon as each request's host copy (``origin_input_ids`` +
-``output_ids``) holds their token ids: under overlap that is the result of the step before,
-processed right after this forward was launched. A request is finished only after every row
-of it is announced.
+the forward hook copies the rows into the ring at once (``Producer.write_step``, or
+``Producer.extend_step`` for the next step of a decode run, on the forward stream) and the rows
+are announced (``Producer.announce_step``) from a later ``process_batch_result`` hook, once their
+run is closed and each request's host copy (``origin_input_ids`` + ``output_ids``) holds their
+token ids: under overlap that is the result of the step before, processed right after this
+forward was launched. A decode run closes when the batch's requests change, when a forward
+other than decode comes, when it is full, and before any of its requests is finished: a
+request is finished only after every row of it is announced.
 
 A failure once serving runs never takes serving down: the plugin logs the cause, ends the
 producer's run with it (the consumer records it in the store, logs it, shows it on its stats
@@ -216,6 +221,10 @@ def _parallel() -> Any:
 #: Forwards whose rows may wait for their token ids at once (SGLang's loops leave at most one);
 #: a forward beyond that stops capture: the host never got the ids, or results are not processed.
 MAX_PENDING = 4
+#: Decode steps of the same requests written into one slot at most, announced as one chunk
+#: (``Producer.extend_step``); fewer when the slot fills first. It bounds how long the first
+#: step's rows wait to be announced.
+RUN_STEPS = 16
 
 
 class _Rows(NamedTuple):
@@ -253,18 +262,66 @@ class _DecodePlan(NamedTuple):
 
 
 class _Pending(NamedTuple):
-    """One forward's rows, copied into the ring already, waiting for the host to hold their token ids."""
+    """An extend or mixed forward's rows, copied into the ring already, waiting for the host to hold their
+    token ids."""
 
     step: WrittenStep
     #: The request owning each block of kept rows, in row order.
     reqs: list[Any]
-    #: First position of each block (None for decode: ``positions``), and its rows.
-    firsts: list[int] | None
+    #: First position of each block, and its rows.
+    firsts: list[int]
     counts: Sequence[int]
     #: ``[R]`` int64 position of every kept row.
     positions: np.ndarray
-    #: Decode only: ``[R]`` int64 prompt length of each row's request.
-    prompt_lens: np.ndarray | None
+
+    def tokens(self) -> np.ndarray | None:
+        return _tokens(self.reqs, self.firsts, self.counts)
+
+
+class _DecodeRun:
+    """Decode steps of the same requests in one slot (``Producer.extend_step``), announced together: row
+    ``s * N + i`` is request ``i``'s row of step ``s``, at ``seq_lens_cpu[i] - 1`` of that step.
+
+    Each step keeps the batch's ``seq_lens_cpu`` as it is (SGLang makes a new tensor for every
+    batch and clones before it edits one); positions and token ids are worked out once for all
+    the steps, when they are announced.
+    """
+
+    __slots__ = ("plan", "seq_lens", "step")
+
+    def __init__(self, step: WrittenStep, plan: _DecodePlan, seq_lens: torch.Tensor) -> None:
+        self.step = step
+        self.plan = plan
+        self.seq_lens = [seq_lens]
+
+    @property
+    def reqs(self) -> list[Any]:
+        return self.plan.reqs
+
+    def positions(self) -> np.ndarray:
+        """``[steps * N]`` int64 position of every row, step after step."""
+        lens = self.seq_lens
+        if len(lens) == 1:
+            return np.subtract(lens[0].numpy(), 1, dtype=np.int64)
+        return np.subtract(torch.stack(lens).numpy(), 1, dtype=np.int64).reshape(-1)
+
+    def tokens(self, positions: np.ndarray) -> np.ndarray | None:
+        """``[steps * N]`` token ids of the rows (see :func:`_tokens`): each request's are its output ids from
+        its first row's on, one slice per request when every step moved each request on by one position."""
+        plan, steps = self.plan, len(self.seq_lens)
+        n = len(plan.reqs)
+        by_step = positions.reshape(steps, n)
+        offsets = by_step[0] - plan.prompt_lens
+        if offsets.min() >= 0 and (steps == 1 or (by_step[1:] - by_step[:-1] == 1).all()):
+            tokens = array("q")
+            for req, first in zip(plan.reqs, offsets.tolist()):
+                part = req.output_ids[first : first + steps]
+                if len(part) < steps:  # not on the host yet, or past a request's end: the general path says which
+                    break
+                tokens.extend(part)
+            else:
+                return np.frombuffer(tokens, np.int64).reshape(n, steps).T.reshape(-1)
+        return _tokens(plan.reqs * steps, positions.tolist(), (1,) * (steps * n))
 
 
 class SGLangCapture:
@@ -280,14 +337,18 @@ class SGLangCapture:
         #: Whether SGLang's first output matched what the model load promised.
         self.checked = False
         #: Next position each running request has not sent yet (skips re-prefilled rows); the last
-        #: decode step's positions are kept aside in ``_decoded`` until something reads it (``_fold``).
+        #: decode step's ``seq_lens_cpu`` is kept aside in ``_decoded`` until something reads it (``_fold``).
         self.sent_upto: dict[str, int] = {}
         self._plan: _DecodePlan | None = None
-        self._decoded: np.ndarray | None = None
+        self._decoded: torch.Tensor | None = None
+        #: The decode run later steps of the same requests may still join (the newest of ``pending``), and
+        #: how many steps a run takes at most.
+        self._run: _DecodeRun | None = None
+        self.run_steps = RUN_STEPS
         #: Prefix length at first schedule of each running request that hit the radix cache (never forwarded).
         self.cached_prefix: dict[str, int] = {}
         #: Forwards written to the ring, oldest first, not announced yet.
-        self.pending: deque[_Pending] = deque()
+        self.pending: deque[_Pending | _DecodeRun] = deque()
         #: The producer served its control socket (releases, attaches) since the last batch result.
         self.served = False
 
@@ -318,6 +379,8 @@ class SGLangCapture:
             # finished_reason is what Req.finished() reads; the attribute saves a call per request.
             finished = [r for r in batch.reqs if r.finished_reason is not None]
             if finished:
+                self._run = None  # its rows go out before these requests end
+                self._announce_ready()
                 self._fold()
                 for req in finished:
                     if req.rid in self.sent_upto:  # ours, and not finished yet (the overlap loop shows it twice)
@@ -349,15 +412,29 @@ class SGLangCapture:
         producer = self.producer if self.checked else self._check_first_output(aux, last)
         # The aux layers side by side ([N, layers * hidden]) and the last layer: one launch writes both into the slot.
         states = (aux, last) if self.settings.capture_last else (aux,)
+        self.served = True
         if batch.forward_mode.is_decode():  # the hot path: no per-step objects beyond what the producer keeps
-            plan, positions = self._decode_rows(batch)
+            plan = self._decode_plan(batch)
             if aux.shape[0] != len(plan.reqs):
                 raise self._mismatch(batch, len(plan.reqs), aux)
+            self._decoded = seq_lens = batch.seq_lens_cpu
+            run = self._run
+            if (
+                run is not None
+                and run.plan is plan
+                and len(run.seq_lens) < self.run_steps
+                and producer.extend_step(run.step, states, plan.rids, plan.ones)
+            ):
+                run.seq_lens.append(seq_lens)
+                return
             if len(self.pending) >= MAX_PENDING:
                 raise self._backlog()
-            step = producer.write_step(states, plan.rids, plan.ones)
-            pending = _Pending(step, plan.reqs, None, plan.ones, positions, plan.prompt_lens)
+            step = producer.write_step(states, plan.rids, plan.ones, extendable=True)
+            self._run = _DecodeRun(step, plan, seq_lens) if step.written else None
+            if self._run is not None:
+                self.pending.append(self._run)
         else:
+            self._run = None  # decode steps after this forward start a run of their own
             rows = self._rows(batch)
             if aux.shape[0] != rows.total:
                 raise self._mismatch(batch, rows.total, aux)
@@ -368,10 +445,8 @@ class SGLangCapture:
             # Pageable memory, non_blocking: the driver stages the few bytes at once, without a sync.
             row_index = None if rows.keep is None else torch.from_numpy(rows.keep).to(aux.device, non_blocking=True)
             step = producer.write_step(states, rows.rids, rows.counts, row_index)
-            pending = _Pending(step, rows.reqs, rows.firsts, rows.counts, rows.positions, None)
-        self.served = True
-        if step.written:
-            self.pending.append(pending)
+            if step.written:
+                self.pending.append(_Pending(step, rows.reqs, rows.firsts, rows.counts, rows.positions))
 
     @staticmethod
     def _mismatch(batch: Any, total: int, aux: torch.Tensor) -> RuntimeError:
@@ -388,23 +463,20 @@ class SGLangCapture:
             f"{[r.rid for r in oldest.reqs][:8]})"
         )
 
-    def _decode_rows(self, batch: Any) -> tuple[_DecodePlan, np.ndarray]:
-        """A decode batch's requests and ``[R]`` positions: one fresh row per request at ``seq_lens_cpu - 1``,
-        nothing ever skipped."""
+    def _decode_plan(self, batch: Any) -> _DecodePlan:
+        """A decode batch's requests: one fresh row per request at ``seq_lens_cpu - 1``, nothing ever skipped."""
         if batch.seq_lens_cpu is None:
             raise RuntimeError("SGLang gave a decode batch without seq_lens_cpu; cannot place its rows")
         plan = self._plan
         if plan is None or batch.reqs != plan.reqs:  # same requests: an identity check of each, in C
             self._fold()
             plan = self._plan = _DecodePlan.of(batch.reqs)
-        positions = np.subtract(batch.seq_lens_cpu.numpy(), 1, dtype=np.int64)
-        self._decoded = positions  # the same requests as the step before: these positions supersede its
-        return plan, positions
+        return plan
 
     def _fold(self) -> None:
         """Record the last decode step's positions in ``sent_upto`` before anything reads it."""
         if self._decoded is not None and self._plan is not None:
-            self.sent_upto.update(zip(self._plan.rids, (self._decoded + 1).tolist()))
+            self.sent_upto.update(zip(self._plan.rids, self._decoded.tolist()))
         self._decoded = None
 
     def _rows(self, batch: Any) -> _Rows:
@@ -435,14 +507,19 @@ class SGLangCapture:
         return _Rows(rids, reqs, firsts[kept].tolist(), counts[kept].tolist(), positions, keep, total)
 
     def _announce_ready(self) -> None:
-        """Announce, oldest first, every written forward whose token ids the host now holds."""
-        while self.pending:
+        """Announce, oldest first, every written forward whose token ids the host now holds; the open decode
+        run (``_run``) stays, for the steps that may join it."""
+        while self.pending and self.pending[0] is not self._run:
             pending = self.pending[0]
-            tokens = _tokens(pending)
+            if isinstance(pending, _DecodeRun):
+                positions = pending.positions()
+                tokens = pending.tokens(positions)
+            else:
+                positions, tokens = pending.positions, pending.tokens()
             if tokens is None:
                 return
             self.pending.popleft()
-            self.producer.announce_step(pending.step, pending.positions, tokens)
+            self.producer.announce_step(pending.step, positions, tokens)
 
     def _finish(self, req: Any) -> None:
         if any(r is req for pending in self.pending for r in pending.reqs):
@@ -563,26 +640,17 @@ class SGLangCapture:
                 log.exception("hscapture: closing the producer (%s) failed", why)
 
 
-def _tokens(pending: _Pending) -> np.ndarray | None:
-    """``[R]`` token ids of a written forward's kept rows, from each request's host copy.
+def _tokens(reqs: Sequence[Any], firsts: Sequence[int], counts: Sequence[int]) -> np.ndarray | None:
+    """``[R]`` token ids of blocks of rows: ``counts[i]`` rows of ``reqs[i]`` from position ``firsts[i]``, from
+    each request's host copy.
 
     A request's token at position ``p`` is ``(origin_input_ids + output_ids)[p]``. Returns None
     while some row's token is not on the host yet (its step's result is not processed). A row
     past the end of a request that ended (the overlap scheduler's step after a finish, or an
     output SGLang discarded) gets -1; the store cuts such rows (``surplus_rows``).
     """
-    firsts = pending.firsts
-    if pending.prompt_lens is not None:  # decode: one row per request, its token an output
-        offsets = (pending.positions - pending.prompt_lens).tolist()
-        if min(offsets) >= 0:
-            try:
-                return np.frombuffer(array("q", [r.output_ids[k] for r, k in zip(pending.reqs, offsets)]), np.int64)
-            except IndexError:  # not on the host yet, or past a request's end: the general path says which
-                pass
-        firsts = pending.positions.tolist()
-    assert firsts is not None
     tokens = array("q")
-    for req, first, count in zip(pending.reqs, firsts, pending.counts):
+    for req, first, count in zip(reqs, firsts, counts):
         prompt = req.origin_input_ids
         n = len(prompt)
         if first >= n:

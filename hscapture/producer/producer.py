@@ -12,7 +12,9 @@ Who calls what, and how often (habit of vLLM's KV connector base class):
   right after the forward (copies the rows and records each slot's event on the current
   stream, so the copy happens before the engine overwrites its outputs), then
   :meth:`Producer.announce_step` once with that step's positions and token ids, before any
-  of its requests is finished. Written slots stay the producer's until announced.
+  of its requests is finished. Written slots stay the producer's until announced. A step
+  written ``extendable`` may take the rows of later steps into its slot
+  (:meth:`Producer.extend_step`, a decode engine's next steps): one chunk for them all.
 * Engine thread, once per request that ends: :meth:`Producer.finish_request`.
 * Engine thread, when idle (optional): :meth:`Producer.poll` answers a consumer that
   attaches while no step runs.
@@ -68,8 +70,8 @@ _POLLIN = int(zmq.POLLIN)
 #: _TAKEOVER_MIN_S), or at once when its process has ended on this host; only then may another take over.
 _TAKEOVER_BEATS = 10
 _TAKEOVER_MIN_S = 2.0
-#: Slot views kept for reuse (per slot, row count and grouping of the states); cleared when full.
-_MAX_TARGETS = 1024
+#: Slot views kept for reuse (per slot, first row, row count and grouping of the states); cleared when full.
+_MAX_TARGETS = 4096
 #: Longest the producer goes, while steps run, without sending the chunks it holds and taking releases
 #: and hellos. A time gate cannot miss a message, it only delays it (a gate on the socket's ZMQ_FD did).
 _SERVICE_S = 0.004
@@ -117,6 +119,9 @@ class WrittenStep:
     request_rows: Sequence[int]
     #: ``(slot, first kept row, rows)`` of each slot written, in row order; emptied when announced.
     slots: list[tuple[int, int, int]]
+    #: Rows per plane of its one slot when later steps may add rows there (:meth:`Producer.extend_step`);
+    #: 0 when the planes hold just its rows.
+    row_stride: int = 0
 
 
 class _Held(NamedTuple):
@@ -208,7 +213,7 @@ class Producer:
             raise
         # Typed flat views of every slot, made once: slicing the ring per step costs more than the copy.
         self._slots = [self.ring.slot(i).view(config.torch_dtype) for i in range(config.num_slots)]
-        self._views: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, _Targets | None]] = {}
+        self._views: dict[tuple[int, int, int, tuple[int, ...]], tuple[torch.Tensor, _Targets | None]] = {}
         self._free: deque[int] = deque(range(config.num_slots))
         self._in_flight: dict[int, _InFlight] = {}
         self._written: dict[int, int] = {}  # slot -> rows written by write_step, not announced yet
@@ -288,6 +293,8 @@ class Producer:
         request_ids: Sequence[str],
         request_rows: Sequence[int],
         row_index: torch.Tensor | None = None,
+        *,
+        extendable: bool = False,
     ) -> WrittenStep:
         """Copy one forward step's rows into ring slots now; announce them later.
 
@@ -299,6 +306,8 @@ class Producer:
 
         Args:
             states, request_ids, request_rows, row_index: as for :meth:`capture_step`.
+            extendable: lay the rows out so that later steps may add theirs to the same slot
+                (:meth:`extend_step`), when they fit one slot and keep every row.
 
         Returns:
             The written step, for :meth:`announce_step`.
@@ -310,7 +319,52 @@ class Producer:
         """
         self._check_open()
         rows, spans = self._check_step(states, request_ids, request_rows, row_index)
+        if extendable and row_index is None and rows <= self._rows_per_slot:
+            return self._write_step(states, spans, request_ids, request_rows, None, rows, self._rows_per_slot)
         return self._write_step(states, spans, request_ids, request_rows, row_index, rows)
+
+    def extend_step(
+        self,
+        step: WrittenStep,
+        states: Sequence[torch.Tensor],
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+    ) -> bool:
+        """Copy one more forward step's rows into the slot of ``step``, after its rows, and make them part of it.
+
+        For an engine that decodes the same requests step after step: one slot, one announcement and
+        one chunk for several steps instead of one per step. ``step`` must come from
+        :meth:`write_step` with ``extendable=True`` and not be announced yet; the rows extend its
+        ``request_ids``, ``request_rows`` and the ``positions`` and ``token_ids`` it is announced
+        with, in order. The slot's event is recorded again after the copy.
+
+        Returns:
+            False, writing nothing, when the rows do not fit the slot (or ``step`` was dropped or
+            not written extendable): write them as a step of their own.
+
+        Raises:
+            ValueError: as for :meth:`write_step`.
+        """
+        self._check_open()
+        if len(step.slots) != 1 or not step.row_stride:
+            return False
+        rows, spans = self._check_step(states, request_ids, request_rows, None)
+        slot, _, count = step.slots[0]
+        if count + rows > step.row_stride:
+            return False
+        self.counters.steps += 1
+        self._serve_when_due()
+        self._write(slot, states, spans, None, 0, rows, count, step.row_stride)
+        self.ring.mark_written(slot)
+        step.slots[0] = (slot, 0, count + rows)
+        self._written[slot] = count + rows
+        step.rows += rows
+        step.written += rows
+        if type(step.request_ids) is not list:  # the first step's (maybe shared) tuples: copied once
+            step.request_ids, step.request_rows = list(step.request_ids), list(step.request_rows)
+        step.request_ids.extend(request_ids)  # type: ignore[attr-defined]
+        step.request_rows.extend(request_rows)  # type: ignore[attr-defined]
+        return True
 
     def announce_step(
         self,
@@ -352,6 +406,7 @@ class Producer:
         request_rows: Sequence[int],
         row_index: torch.Tensor | None,
         rows: int,
+        row_stride: int = 0,
     ) -> WrittenStep:
         self.counters.steps += 1
         self._serve_when_due()
@@ -363,18 +418,20 @@ class Producer:
             if slot is None:
                 self._count_drop(request_ids, request_rows, begin, rows)
                 break
-            self._write(slot, states, spans, row_index, begin, count)
+            self._write(slot, states, spans, row_index, begin, count, 0, row_stride)
             self.ring.mark_written(slot)
             self._written[slot] = count
             slots.append((slot, begin, count))
             begin += count
-        return WrittenStep(self.counters.steps, rows, begin, request_ids, request_rows, slots)
+        return WrittenStep(self.counters.steps, rows, begin, request_ids, request_rows, slots, row_stride)
 
     def _announce_step(self, step: WrittenStep, positions: np.ndarray, token_ids: np.ndarray) -> int:
         for slot, begin, count in step.slots:
             end = begin + count
             ids, counts = _spans(step.request_ids, step.request_rows, begin, end, step.rows)  # a whole step: as is
-            self._hold_chunk(slot, count, 0, ids, counts, positions[begin:end], token_ids[begin:end], step.step)
+            self._hold_chunk(
+                slot, count, step.row_stride, ids, counts, positions[begin:end], token_ids[begin:end], step.step
+            )
             del self._written[slot]
         step.slots = []
         if len(self._held) >= _FLUSH_CHUNKS:
@@ -700,8 +757,12 @@ class Producer:
         row_index: torch.Tensor | None,
         begin: int,
         count: int,
+        first: int = 0,
+        row_stride: int = 0,
     ) -> None:
-        planes, targets = self._targets(slot, count, spans)
+        """Copy rows ``[begin, begin + count)`` of the step into ``slot``, at its row ``first`` of planes of
+        ``row_stride`` rows (0: of ``count`` rows)."""
+        planes, targets = self._targets(slot, count, spans, first, row_stride)
         if row_index is not None:
             index, hidden, t = row_index[begin : begin + count], self.config.hidden_size, 0
             for state, k in zip(states, spans):
@@ -718,17 +779,21 @@ class Producer:
         by_row, shapes = targets
         torch.cat([part.reshape(shape) for part, shape in zip(parts, shapes)], dim=1, out=by_row)
 
-    def _targets(self, slot: int, count: int, spans: tuple[int, ...]) -> tuple[torch.Tensor, _Targets | None]:
-        """Views of ``slot`` for ``count`` rows, made once per shape: every tensor's plane
-        ``[num_tensors, count, hidden]``, and (when some state holds several tensors) the planes seen row
-        by row with the ``[count, k, hidden]`` shape of each state's rows (:data:`_Targets`)."""
-        key = (slot, count, spans)
+    def _targets(
+        self, slot: int, count: int, spans: tuple[int, ...], first: int = 0, row_stride: int = 0
+    ) -> tuple[torch.Tensor, _Targets | None]:
+        """Views of ``slot`` for ``count`` rows from row ``first`` of planes of ``row_stride`` rows (0: of
+        ``count``), made once per shape: every tensor's plane ``[num_tensors, count, hidden]``, and (when some
+        state holds several tensors) the planes seen row by row with the ``[count, k, hidden]`` shape of each
+        state's rows (:data:`_Targets`)."""
+        key = (slot, first, count, spans) if row_stride else (slot, -1, count, spans)
         views = self._views.get(key)
         if views is None:
             if len(self._views) >= _MAX_TARGETS:
                 self._views.clear()
             hidden, num = self.config.hidden_size, self._num_tensors
-            planes = self._slots[slot][: num * count * hidden].view(num, count, hidden)
+            stride = row_stride or count
+            planes = self._slots[slot][: num * stride * hidden].view(num, stride, hidden)[:, first : first + count]
             targets = None
             if len(spans) != num:
                 targets = (planes.transpose(0, 1), tuple((count, k, hidden) for k in spans))
