@@ -70,8 +70,8 @@ _POLLIN = int(zmq.POLLIN)
 #: _TAKEOVER_MIN_S), or at once when its process has ended on this host; only then may another take over.
 _TAKEOVER_BEATS = 10
 _TAKEOVER_MIN_S = 2.0
-#: Slot views kept for reuse (per slot, first row, row count and grouping of the states); cleared when full.
-_MAX_TARGETS = 4096
+#: Slot views kept for reuse (per slot, row count and grouping of the states); cleared when full.
+_MAX_TARGETS = 1024
 #: Longest the producer goes, while steps run, without sending the chunks it holds and taking releases
 #: and hellos. A time gate cannot miss a message, it only delays it (a gate on the socket's ZMQ_FD did).
 _SERVICE_S = 0.004
@@ -213,7 +213,9 @@ class Producer:
             raise
         # Typed flat views of every slot, made once: slicing the ring per step costs more than the copy.
         self._slots = [self.ring.slot(i).view(config.torch_dtype) for i in range(config.num_slots)]
-        self._views: dict[tuple[int, int, int, tuple[int, ...]], tuple[torch.Tensor, _Targets | None]] = {}
+        self._views: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, _Targets | None]] = {}
+        #: ``[count, k, hidden]`` of each state's rows, per row count and grouping (writes into a slot's rows).
+        self._shapes: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, int, int], ...]] = {}
         self._free: deque[int] = deque(range(config.num_slots))
         self._in_flight: dict[int, _InFlight] = {}
         self._written: dict[int, int] = {}  # slot -> rows written by write_step, not announced yet
@@ -760,9 +762,20 @@ class Producer:
         first: int = 0,
         row_stride: int = 0,
     ) -> None:
-        """Copy rows ``[begin, begin + count)`` of the step into ``slot``, at its row ``first`` of planes of
-        ``row_stride`` rows (0: of ``count`` rows)."""
-        planes, targets = self._targets(slot, count, spans, first, row_stride)
+        """Copy rows ``[begin, begin + count)`` of the step into ``slot``: planes of ``count`` rows, or (a whole
+        step, ``row_stride``) rows ``[first, first + count)`` of planes of ``row_stride`` rows."""
+        if row_stride:  # the slot's views are made once; a step takes rows of them (one slice)
+            planes, targets = self._targets(slot, row_stride, spans)
+            if targets is None:
+                torch.stack(states, out=planes[:, first : first + count])
+                return
+            shapes = self._shapes.get((count, spans)) or self._shapes.setdefault(
+                (count, spans), tuple((count, k, self.config.hidden_size) for k in spans)
+            )
+            by_row = targets[0][first : first + count]
+            torch.cat([state.reshape(shape) for state, shape in zip(states, shapes)], dim=1, out=by_row)
+            return
+        planes, targets = self._targets(slot, count, spans)
         if row_index is not None:
             index, hidden, t = row_index[begin : begin + count], self.config.hidden_size, 0
             for state, k in zip(states, spans):
@@ -779,21 +792,17 @@ class Producer:
         by_row, shapes = targets
         torch.cat([part.reshape(shape) for part, shape in zip(parts, shapes)], dim=1, out=by_row)
 
-    def _targets(
-        self, slot: int, count: int, spans: tuple[int, ...], first: int = 0, row_stride: int = 0
-    ) -> tuple[torch.Tensor, _Targets | None]:
-        """Views of ``slot`` for ``count`` rows from row ``first`` of planes of ``row_stride`` rows (0: of
-        ``count``), made once per shape: every tensor's plane ``[num_tensors, count, hidden]``, and (when some
-        state holds several tensors) the planes seen row by row with the ``[count, k, hidden]`` shape of each
-        state's rows (:data:`_Targets`)."""
-        key = (slot, first, count, spans) if row_stride else (slot, -1, count, spans)
+    def _targets(self, slot: int, count: int, spans: tuple[int, ...]) -> tuple[torch.Tensor, _Targets | None]:
+        """Views of ``slot`` for ``count`` rows, made once per shape: every tensor's plane
+        ``[num_tensors, count, hidden]``, and (when some state holds several tensors) the planes seen row
+        by row with the ``[count, k, hidden]`` shape of each state's rows (:data:`_Targets`)."""
+        key = (slot, count, spans)
         views = self._views.get(key)
         if views is None:
             if len(self._views) >= _MAX_TARGETS:
                 self._views.clear()
             hidden, num = self.config.hidden_size, self._num_tensors
-            stride = row_stride or count
-            planes = self._slots[slot][: num * stride * hidden].view(num, stride, hidden)[:, first : first + count]
+            planes = self._slots[slot][: num * count * hidden].view(num, count, hidden)
             targets = None
             if len(spans) != num:
                 targets = (planes.transpose(0, 1), tuple((count, k, hidden) for k in spans))
