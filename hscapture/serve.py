@@ -56,8 +56,8 @@ class ServeOptions:
     keys: Path | None = None
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
-    #: Bytes of one ring slot.
-    slot_bytes: int = 4 * MiB
+    #: Bytes of one ring slot (default: room for 512 rows, a decode run of 8 steps at batch 64; at least 4 MiB).
+    slot_bytes: int | None = None
     #: Seconds the consumers get to close the store after the server stopped.
     grace_s: float = 30.0
     #: Extra arguments for the consumer processes (tests).

@@ -36,7 +36,8 @@ from benchmarks.sglang_standin import (
     expected_row,
 )
 from hscapture import CaptureConfig, open_store
-from hscapture.integrations.sglang import MAX_PENDING, RUN_STEPS
+from hscapture.config import SLOT_ALIGN, MiB
+from hscapture.integrations.sglang import MAX_PENDING, RUN_STEPS, SLOT_ROWS, default_slot_bytes
 from tests.conftest import ConsumerFactory, wait_attached
 
 HIDDEN = 32
@@ -101,6 +102,13 @@ def no_capture_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     with caplog.at_level(logging.ERROR, logger="hscapture.integrations.sglang"):
         yield
     assert not caplog.records, caplog.text
+
+
+def test_default_slots_hold_a_decode_run_of_the_models_rows() -> None:
+    """Kimi-K2.5's EAGLE-3 set (3 aux layers + last, 7168 wide, bf16): 512 rows a slot, not the 73 of 4 MiB."""
+    kimi = 4 * 7168 * 2
+    assert default_slot_bytes(kimi) // kimi == SLOT_ROWS and default_slot_bytes(kimi) % SLOT_ALIGN == 0
+    assert default_slot_bytes(4 * 64 * 2) == 4 * MiB  # tiny rows: never below 4 MiB
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from hscapture.config import CaptureConfig, MiB, dtype_name
+from hscapture.config import SLOT_ALIGN, CaptureConfig, MiB, dtype_name
 
 if TYPE_CHECKING:
     from hscapture.producer import WrittenStep
@@ -115,7 +115,8 @@ class PluginSettings:
     capture_last: bool = True
     #: ``drop`` (serving never waits) or ``block`` (nothing lost: offline extraction).
     policy: str = "drop"
-    slot_bytes: int = 4 * MiB
+    #: Bytes of one ring slot; None: room for :data:`SLOT_ROWS` rows, and at least 4 MiB.
+    slot_bytes: int | None = None
     #: Ring bytes; None sizes it for two of the engine's largest steps.
     ring_bytes: int | None = None
     block_timeout_s: float = 120.0
@@ -225,6 +226,14 @@ MAX_PENDING = 4
 #: (``Producer.extend_step``); fewer when the slot fills first. It bounds how long the first
 #: step's rows wait to be announced.
 RUN_STEPS = 16
+#: Rows a ring slot holds by default: a decode run of 8 steps at batch 64 (a 4 MiB slot holds 73
+#: rows of Kimi-K2.5's EAGLE-3 set, 57 KiB each: one step at batch 64, no run at all).
+SLOT_ROWS = 512
+
+
+def default_slot_bytes(row_bytes: int) -> int:
+    """Slot bytes for :data:`SLOT_ROWS` rows of ``row_bytes``, at least 4 MiB, whole ``SLOT_ALIGN`` blocks."""
+    return max(4 * MiB, -(-SLOT_ROWS * row_bytes // SLOT_ALIGN) * SLOT_ALIGN)
 
 
 class _Rows(NamedTuple):
@@ -575,6 +584,7 @@ class SGLangCapture:
         dp_size = int(getattr(parallel, "dp_size", 1) or 1)
         replica = getattr(parallel, "dp_rank", None)
         dp_rank = int(replica if replica is not None else getattr(parallel, "attn_dp_rank", 0))
+        row_bytes = (len(self.layers) + self.settings.capture_last) * self.hidden * model_config.dtype.itemsize
         max_rows = int(getattr(worker, "max_num_tokens", 0) or 8192)
         device = "cpu" if str(runner.device) == "cpu" else f"cuda:{torch.cuda.current_device()}"
         config = CaptureConfig(
@@ -583,7 +593,7 @@ class SGLangCapture:
             num_layers=num_layers,
             capture_last=self.settings.capture_last,
             dtype=dtype_name(model_config.dtype),
-            slot_bytes=self.settings.slot_bytes,
+            slot_bytes=self.settings.slot_bytes or default_slot_bytes(row_bytes),
             ring_bytes=self.settings.ring_bytes,
             max_step_rows=max_rows,
             policy=self.settings.policy,  # type: ignore[arg-type]
