@@ -383,13 +383,13 @@ class SGLangCapture:
         if self.producer is None or not self.enabled:
             return
         try:
-            if self.pending:
-                self._announce_ready()
             # finished_reason is what Req.finished() reads; the attribute saves a call per request.
             finished = [r for r in batch.reqs if r.finished_reason is not None]
             if finished:
                 self._run = None  # its rows go out before these requests end
+            if self.pending:
                 self._announce_ready()
+            if finished:
                 self._fold()
                 for req in finished:
                     if req.rid in self.sent_upto:  # ours, and not finished yet (the overlap loop shows it twice)

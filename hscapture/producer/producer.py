@@ -769,9 +769,9 @@ class Producer:
             if targets is None:
                 torch.stack(states, out=planes[:, first : first + count])
                 return
-            shapes = self._shapes.get((count, spans)) or self._shapes.setdefault(
-                (count, spans), tuple((count, k, self.config.hidden_size) for k in spans)
-            )
+            shapes = self._shapes.get((count, spans))
+            if shapes is None:
+                shapes = self._shapes[count, spans] = tuple((count, k, self.config.hidden_size) for k in spans)
             by_row = targets[0][first : first + count]
             torch.cat([state.reshape(shape) for state, shape in zip(states, shapes)], dim=1, out=by_row)
             return
