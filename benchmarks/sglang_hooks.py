@@ -13,14 +13,17 @@ layers and the last layer (``--hidden`` wide, bf16), drop policy, a ring of 32 s
 takes one), a ``--discard`` consumer process attached.
 On a CPU (``--device cpu``, host ring) each step instead sleeps ``--queued-ms`` outside the
 hooks, so the consumer keeps up; only the GPU run measures what the goal is about.
-Four variants, batch size by batch size, alternating, with the same producer and consumer:
+Five variants, batch size by batch size, alternating, with the same producer and consumer:
 
 * ``deferred`` (the plugin): ``after_forward`` copies the rows into the ring, the aux layers and the
-  last layer by one ``torch.cat`` launch into a strided view of the slot, and records the slot's
-  event; a decode step of the same requests as the step before goes into the same slot, after its
-  rows (``Producer.extend_step``), up to ``RUN_STEPS`` steps or a full slot. ``after_batch_result``
+  last layer by one driver launch of the producer's row kernel (``hscapture/producer/row_kernel.py``)
+  into the slot's planes, and records the slot's event; a decode step of the same requests as the
+  step before goes into the same slot, after its rows (``Producer.extend_step``), up to
+  ``RUN_STEPS`` steps or a full slot. ``after_batch_result``
   announces a run once it is closed, in one chunk, with token ids from each request's host copy
   (``Producer.announce_step``).
+* ``deferred-torch``: the plugin with the producer's row kernel off: the same rows written by
+  torch, one ``torch.cat`` into a strided view of the slot (what it did before the kernel).
 * ``per-step``: the plugin with runs of one step (``run_steps = 1``): every decode step its own slot,
   chunk and announcement, what it did before runs.
 * ``sync`` (the hook before that change): the same rows announced at once by ``capture_step``,
@@ -271,7 +274,9 @@ def main() -> None:
     floor = FloorCapture(deferred.settings)
     per_step = SGLangCapture(deferred.settings)
     per_step.run_steps = 1
-    for other in (sync, floor, per_step):
+    torch_write = SGLangCapture(deferred.settings)
+    row_kernel = deferred.producer._row_kernel
+    for other in (sync, floor, per_step, torch_write):
         other.producer, other.layers, other.hidden, other.checked = (
             deferred.producer,
             deferred.layers,
@@ -285,8 +290,15 @@ def main() -> None:
             time.sleep(0.01)
         first = 0
         for n, batch in enumerate(args.batches):
-            variants = [("deferred", deferred), ("per-step", per_step), ("sync", sync), ("floor", floor)]
+            variants = [
+                ("deferred", deferred),
+                ("deferred-torch", torch_write),
+                ("per-step", per_step),
+                ("sync", sync),
+                ("floor", floor),
+            ]
             for name, capture in variants if n % 2 == 0 else variants[::-1]:
+                capture.producer._row_kernel = None if name == "deferred-torch" else row_kernel
                 profile = name == "deferred" and batch == GOAL_BATCH
                 result = measure(capture, batch, args, first, profile)
                 results.setdefault(str(batch), {})[name] = result

@@ -22,47 +22,30 @@ for it on an H200. The ``store`` suite measures the quantization beside a plain 
 
 from __future__ import annotations
 
-import logging
 import zlib
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hscapture.cuda_kernels import kernel
 from hscapture.fp8 import BLOCK_ELEMENTS, FP8, quantize_into
 from hscapture.ring.cuda import CudaRingReader
 from hscapture.store.checksum import RowCrcs
 from hscapture.store.writer import Reservation
 
-log = logging.getLogger(__name__)
-
-KERNELS = Path(__file__).resolve().parents[2] / "csrc"
 #: Threads per row (the kernels' THREADS).
 _THREADS = 256
 
 
-@cache
-def _kernel(source: str, name: str, fallback: str) -> Any:
-    """A kernel of ``csrc/<source>``, compiled once per process; None where it cannot be."""
-    try:
-        import cupy
-
-        return cupy.RawModule(code=(KERNELS / source).read_text()).get_function(name)
-    except Exception as exc:  # no NVRTC, or a compile error: the torch path is always there
-        log.warning("%s kernel unavailable (%s); %s with torch kernels", name, exc, fallback)
-        return None
-
-
 def bf16_kernel() -> Any:
     """The fused bf16 quantization kernel (``csrc/quantize_fp8.cu``); None where it cannot be compiled."""
-    return _kernel("quantize_fp8.cu", "quantize_bf16_rows", "quantizing")
+    return kernel("quantize_fp8.cu", "quantize_bf16_rows", "quantizing with torch kernels")
 
 
 def crc_kernel() -> Any:
     """The rows' CRC-32 kernel (``csrc/crc32_rows.cu``); None where it cannot be compiled."""
-    return _kernel("crc32_rows.cu", "crc32_rows", "checksumming")
+    return kernel("crc32_rows.cu", "crc32_rows", "checksumming with torch kernels")
 
 
 class DeviceQuantizer:

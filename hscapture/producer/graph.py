@@ -18,19 +18,15 @@ measures both.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hscapture.cuda_kernels import kernel
 from hscapture.producer import Producer
 
-log = logging.getLogger(__name__)
-
-KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "ring_write.cu"
 MAX_KERNEL_TENSORS = 8
 
 
@@ -81,14 +77,7 @@ class GraphRingWriter:
         plane = self.batch_rows * config.hidden_size * config.itemsize
         if config.num_tensors > MAX_KERNEL_TENSORS or plane % 16 or config.slot_bytes % 16:
             return None
-        try:
-            import cupy
-
-            module = cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=("-std=c++17",))
-            return module.get_function("ring_write")
-        except Exception as exc:  # no NVRTC, or a compile error: the torch path is always there
-            log.warning("ring-write kernel unavailable (%s); using index_copy_", exc)
-            return None
+        return kernel("ring_write.cu", "ring_write", "using index_copy_")
 
     def plan(self) -> int:
         """Before replay: choose the slot the next replay writes (outside the graph)."""

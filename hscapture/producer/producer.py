@@ -58,6 +58,7 @@ from hscapture import protocol
 from hscapture.config import CaptureConfig, dtype_name
 from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError, short_repr
 from hscapture.ownership import pid_alive, process_place
+from hscapture.producer.row_kernel import RowKernel
 from hscapture.ring import Ring, create_ring
 from hscapture.transport import ProducerSockets, publish_token, withdraw_token
 
@@ -213,6 +214,8 @@ class Producer:
             raise
         # Typed flat views of every slot, made once: slicing the ring per step costs more than the copy.
         self._slots = [self.ring.slot(i).view(config.torch_dtype) for i in range(config.num_slots)]
+        # On a GPU ring a step's rows go in by one driver launch (its host time is the write's cost); else torch.
+        self._row_kernel = RowKernel.load(self._slots, config.slot_bytes, config.hidden_size, self._num_tensors)
         self._views: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, _Targets | None]] = {}
         #: ``[count, k, hidden]`` of each state's rows, per row count and grouping (writes into a slot's rows).
         self._shapes: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, int, int], ...]] = {}
@@ -647,7 +650,7 @@ class Producer:
             log.warning("end of stream not delivered: %s", exc)
         finally:
             self._closed = True
-            self._slots = []
+            self._slots, self._row_kernel = [], None
             withdraw_token(self.config.endpoint, self.token)
             self._close_sockets()
             self.ring.close()
@@ -764,6 +767,13 @@ class Producer:
     ) -> None:
         """Copy rows ``[begin, begin + count)`` of the step into ``slot``: planes of ``count`` rows, or (a whole
         step, ``row_stride``) rows ``[first, first + count)`` of planes of ``row_stride`` rows."""
+        kernel = self._row_kernel
+        if (
+            kernel is not None
+            and row_index is None
+            and kernel.write(slot, states, spans, begin, count, first, row_stride or count)
+        ):
+            return
         if row_stride:  # the slot's views are made once; a step takes rows of them (one slice)
             planes, targets = self._targets(slot, row_stride, spans)
             if targets is None:
