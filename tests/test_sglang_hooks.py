@@ -126,8 +126,17 @@ def test_hooks_store_every_row_with_its_position_and_token(
     consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
     capture = capture_with_producer(config_for(endpoint, device))
     wait_attached(capture.producer)
+    # On the GPU each forward queues 2 ms of work before its outputs: a slot's event recorded before the copy of
+    # its last rows (or on another stream than theirs) lets the consumer copy rows not written yet.
     scheduler = OverlapScheduler(
-        capture, plans(), device=device, hidden=HIDDEN, num_aux=len(LAYERS), overlap=overlap, hook=strict_hooks(device)
+        capture,
+        plans(),
+        device=device,
+        hidden=HIDDEN,
+        num_aux=len(LAYERS),
+        overlap=overlap,
+        hook=strict_hooks(device),
+        queued_gpu_s=0.002 if device == "cuda" else 0.0,
     )
     with no_capture_errors(caplog):
         scheduler.run()

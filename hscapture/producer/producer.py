@@ -9,8 +9,8 @@ Who calls what, and how often (habit of vLLM's KV connector base class):
   Under ``block`` it waits for credit and loses nothing.
 * Or the same step in two calls, for an engine whose host learns the step's token ids only
   after the forward was launched (SGLang's overlap scheduler): :meth:`Producer.write_step`
-  right after the forward (copies the rows and records each slot's event on the current
-  stream, so the copy happens before the engine overwrites its outputs), then
+  right after the forward (queues the copy of the rows on the current stream, so it runs
+  before the engine's next work there overwrites its outputs), then
   :meth:`Producer.announce_step` once with that step's positions and token ids, before any
   of its requests is finished. Written slots stay the producer's until announced. A step
   written ``extendable`` may take the rows of later steps into its slot
@@ -104,7 +104,7 @@ class ProducerCounters:
 
 @dataclass
 class WrittenStep:
-    """One step's rows copied into ring slots, each slot's event recorded, not announced yet.
+    """One step's rows copied into ring slots (the copies queued), not announced yet.
 
     Made by :meth:`Producer.write_step`; handed back once to :meth:`Producer.announce_step`.
     """
@@ -123,6 +123,8 @@ class WrittenStep:
     #: Rows per plane of its one slot when later steps may add rows there (:meth:`Producer.extend_step`);
     #: 0 when the planes hold just its rows.
     row_stride: int = 0
+    #: The stream its copies were queued on, when its slot's event waits for its announcement (``row_stride``).
+    stream: int = 0
 
 
 class _Held(NamedTuple):
@@ -242,6 +244,7 @@ class Producer:
         self._closed = False
         self._watchdog = watchdog
         self._release = self._sockets.release
+        self._current_stream = self.ring.current_stream
         try:
             publish_token(config.endpoint, self.token)
         except BaseException:
@@ -303,10 +306,11 @@ class Producer:
     ) -> WrittenStep:
         """Copy one forward step's rows into ring slots now; announce them later.
 
-        Each slot's event is recorded on the current stream right after its copy is queued
-        there, so the copy is ordered before whatever the engine queues next (a graph replay
-        that overwrites its outputs). Nothing is sent: the slots stay this producer's until
-        :meth:`announce_step`. Under ``drop`` rows without a free slot are dropped and counted
+        The copy is queued on the current stream, so it runs before whatever the engine queues
+        there next (a graph replay that overwrites its outputs); each slot's event, which the
+        consumer waits for, is recorded after it (for a step written ``extendable``, when it is
+        announced: after the rows of every step it took). Nothing is sent: the slots stay this
+        producer's until :meth:`announce_step`. Under ``drop`` rows without a free slot are dropped and counted
         here; under ``block`` it waits for credit.
 
         Args:
@@ -341,17 +345,18 @@ class Producer:
         one chunk for several steps instead of one per step. ``step`` must come from
         :meth:`write_step` with ``extendable=True`` and not be announced yet; the rows extend its
         ``request_ids``, ``request_rows`` and the ``positions`` and ``token_ids`` it is announced
-        with, in order. The slot's event is recorded again after the copy.
+        with, in order. The copy is queued on the current stream, which must be the one ``step`` was
+        written on (else False); the slot's event is recorded when ``step`` is announced.
 
         Returns:
-            False, writing nothing, when the rows do not fit the slot (or ``step`` was dropped or
-            not written extendable): write them as a step of their own.
+            False, writing nothing, when the rows do not fit the slot (or ``step`` was dropped, not
+            written extendable, or written on another stream): write them as a step of their own.
 
         Raises:
             ValueError: as for :meth:`write_step`.
         """
         self._check_open()
-        if len(step.slots) != 1 or not step.row_stride:
+        if len(step.slots) != 1 or not step.row_stride or self._current_stream() != step.stream:
             return False
         rows, spans = self._check_step(states, request_ids, request_rows, None)
         slot, _, count = step.slots[0]
@@ -360,7 +365,6 @@ class Producer:
         self.counters.steps += 1
         self._serve_when_due()
         self._write(slot, states, spans, None, 0, rows, count, step.row_stride)
-        self.ring.mark_written(slot)
         step.slots[0] = (slot, 0, count + rows)
         self._written[slot] = count + rows
         step.rows += rows
@@ -424,14 +428,18 @@ class Producer:
                 self._count_drop(request_ids, request_rows, begin, rows)
                 break
             self._write(slot, states, spans, row_index, begin, count, 0, row_stride)
-            self.ring.mark_written(slot)
+            if not row_stride:  # else when announced, after the rows of the steps it takes (extend_step)
+                self.ring.mark_written(slot)
             self._written[slot] = count
             slots.append((slot, begin, count))
             begin += count
-        return WrittenStep(self.counters.steps, rows, begin, request_ids, request_rows, slots, row_stride)
+        stream = self._current_stream() if row_stride else 0
+        return WrittenStep(self.counters.steps, rows, begin, request_ids, request_rows, slots, row_stride, stream)
 
     def _announce_step(self, step: WrittenStep, positions: np.ndarray, token_ids: np.ndarray) -> int:
         for slot, begin, count in step.slots:
+            if step.row_stride:
+                self.ring.mark_written(slot, step.stream)
             end = begin + count
             ids, counts = _spans(step.request_ids, step.request_rows, begin, end, step.rows)  # a whole step: as is
             self._hold_chunk(

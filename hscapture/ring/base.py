@@ -28,8 +28,14 @@ class Ring(ABC):
     def slot(self, index: int) -> torch.Tensor:
         """uint8 tensor ``[slot_bytes]`` viewing slot ``index``; write rows into it."""
 
-    def mark_written(self, index: int) -> None:  # noqa: B027 - optional hook, no-op for host memory
-        """Called after the rows of slot ``index`` are written, before it is announced."""
+    def mark_written(self, index: int, stream: int | None = None) -> None:  # noqa: B027 - no-op for host memory
+        """Called after the rows of slot ``index`` are written, before it is announced: the writes were queued on
+        ``stream`` (a :meth:`current_stream` handle), by default the current one."""
+
+    def current_stream(self) -> int:
+        """The stream writes are queued on now (a raw handle; 0 where there is none): ``mark_written`` may
+        come later, from another stream, for writes queued on this one."""
+        return 0
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:

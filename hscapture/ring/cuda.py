@@ -112,14 +112,17 @@ class CudaRing(Ring):
         start = index * self.slot_bytes
         return self._bytes[start : start + self.slot_bytes]
 
-    def mark_written(self, index: int) -> None:
-        """Record slot ``index``'s IPC event on the current stream, after the writes queued there."""
+    def mark_written(self, index: int, stream: int | None = None) -> None:
+        """Record slot ``index``'s IPC event on ``stream`` (default: the current one), after the writes queued there."""
         if torch.cuda.is_current_stream_capturing():
             raise HSCaptureError(
                 "mark_written: called inside CUDA graph capture; record the slot's event after replay "
                 "(GraphRingWriter.commit does)"
             )
-        self._runtime.eventRecord(self._events[index], _current_stream(self.device))
+        self._runtime.eventRecord(self._events[index], _current_stream(self.device) if stream is None else stream)
+
+    def current_stream(self) -> int:
+        return _current_stream(self.device)
 
     def describe(self) -> dict[str, Any]:
         return {
