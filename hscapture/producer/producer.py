@@ -272,9 +272,11 @@ class Producer:
             states: the captured tensors in ``config.tensor_names`` order, in ``config.dtype``,
                 all on one device: each ``[N, hidden]``, or ``[N, k * hidden]`` holding ``k``
                 consecutive captured tensors side by side (SGLang's concatenated aux layers).
-                A slot's rows are written by one launch: ``torch.stack`` of separate tensors,
-                ``torch.cat`` when some state holds several side by side (with ``row_index``: one
-                ``index_select`` per tensor). Give each tensor alone, or as few states as the engine has.
+                A slot's rows are written by one launch: on a GPU ring the row kernel's
+                (:mod:`~hscapture.producer.row_kernel`, up to 4 states, rows 16-byte aligned), else
+                ``torch.stack`` of separate tensors, ``torch.cat`` when some state holds several side
+                by side (with ``row_index``: one ``index_select`` per tensor). Give each tensor
+                alone, or as few states as the engine has.
             request_ids: the requests owning the kept rows, in row order.
             request_rows: how many consecutive kept rows each request owns.
             positions: ``[R]`` int position of each kept row in its request (host values: a
