@@ -26,9 +26,12 @@ contends with the engine for the GIL between steps. Its fixed cost per call (a Z
 socket calls, asking the control socket for messages a system call) would dominate a decode step,
 so it is not paid per step: announced chunks are held back and sent together in one
 :class:`~hscapture.protocol.Announcements` message, and the control socket (releases, hellos) is
-served with that send. Both happen when ``_SERVICE_S`` has passed since the last time, when
-``_FLUSH_CHUNKS`` chunks are held, when free slots run low, before a request's end or the end
-of stream is sent, before the producer waits, and on :meth:`Producer.poll`. Only the delay
+served with that send. Both happen when ``_SERVICE_S`` has passed since the last time and
+chunks are held (or, holding none, every ``_SERVE_STEPS`` steps: a decode run announces one chunk
+per several steps, and an engine whose steps outlast ``_SERVICE_S`` would otherwise pay for the
+control socket every step), when ``_FLUSH_CHUNKS`` chunks are held, when free slots run low,
+before a request's end or the end of stream is sent, before the producer waits, and on
+:meth:`Producer.poll`. Only the delay
 changes: seq order, a request's end after its rows, and drop counting are as for one message
 per chunk. :class:`NullProducer` has the same methods and does nothing, so call sites need no
 ``if capture_enabled``.
@@ -78,6 +81,9 @@ _MAX_TARGETS = 1024
 _SERVICE_S = 0.004
 #: Chunks held back at most before they are sent (together, in one message).
 _FLUSH_CHUNKS = 16
+#: Steps the producer goes at most, holding no chunk, without taking releases and hellos (once ``_SERVICE_S``
+#: has passed too); free slots running low, a wait, a request's end and ``poll`` take them at once.
+_SERVE_STEPS = 8
 
 
 @dataclass
@@ -226,6 +232,7 @@ class Producer:
         self._written: dict[int, int] = {}  # slot -> rows written by write_step, not announced yet
         self._held: list[_Held] = []  # announced by the engine, not sent yet, oldest first
         self._service_at = 0.0  # when the held chunks and the control socket are next served at the latest
+        self._steps_unserved = 0  # steps since the control socket was last served
         self._low_slots = max(1, config.num_slots // 4)  # at this many free slots or fewer: serve at once
         self._owners: _Owners | None = None
         # The last step checked with owners of ``_owners``: (request_ids, request_rows, each state's (shape, dtype),
@@ -557,8 +564,12 @@ class Producer:
             self._count_drop(h.request_ids, h.request_rows, 0, h.rows)
 
     def _serve_when_due(self) -> None:
-        """Serve the sockets when ``_SERVICE_S`` has passed or free slots run low (a clock read otherwise)."""
-        if len(self._free) <= self._low_slots or time.monotonic() >= self._service_at:
+        """Serve the sockets when free slots run low, or ``_SERVICE_S`` has passed and chunks are held (holding
+        none, every ``_SERVE_STEPS`` steps); a clock read otherwise."""
+        self._steps_unserved += 1
+        if len(self._free) <= self._low_slots or (
+            (self._held or self._steps_unserved >= _SERVE_STEPS) and time.monotonic() >= self._service_at
+        ):
             self._serve()
 
     def _serve(self) -> None:
@@ -566,6 +577,7 @@ class Producer:
         self._flush()
         self._drain_control()
         self._service_at = time.monotonic() + _SERVICE_S
+        self._steps_unserved = 0
 
     def acquire_slot(self) -> int | None:
         """A free slot to write (waits under ``block``; None under ``drop`` when none is free)."""

@@ -40,10 +40,12 @@ class RowKernel:
     """
 
     def __init__(self, function: int, base: int, slot_bytes: int, hidden_bytes: int, num_tensors: int, device: int):
-        self._function = function
         self._base, self._slot_bytes, self._hidden_bytes = base, slot_bytes, hidden_bytes
-        self._num_tensors, self._device = num_tensors, device
-        self._threads = min(_THREADS, -(-hidden_bytes // 16 // 32) * 32)
+        self._device = device
+        # The launch's arguments that never change, as ctypes objects (no conversion per call).
+        self._function, self._tensors = ctypes.c_void_p(function), ctypes.c_uint(num_tensors)
+        self._one, self._none = ctypes.c_uint(1), ctypes.c_uint(0)
+        self._threads = ctypes.c_uint(min(_THREADS, -(-hidden_bytes // 16 // 32) * 32))
         self._values = [kind() for kind in _ARGUMENTS]
         self._values[_HVEC].value = hidden_bytes // 16
         self._params = (ctypes.c_void_p * len(_ARGUMENTS))(*[ctypes.addressof(v) for v in self._values])
@@ -105,7 +107,7 @@ class RowKernel:
             if state.get_device() != device:
                 return False
             stride = state.stride()
-            row = stride[0] * state.element_size()
+            row = stride[0] * state.itemsize
             address = state.data_ptr() + begin * row
             if stride[1] != 1 or (address | row) & 15:
                 return False
@@ -117,19 +119,11 @@ class RowKernel:
         hidden_bytes = self._hidden_bytes
         values[_DST].value = self._base + slot * self._slot_bytes + first * hidden_bytes
         values[_PLANE].value = plane_rows * hidden_bytes >> 4
+        one = self._one
         status = self._launch(
-            self._function,
-            count,
-            self._num_tensors,
-            1,
-            self._threads,
-            1,
-            1,
-            0,
-            self._stream(device),
-            self._params,
-            None,
-        )
+            self._function, count, self._tensors, one, self._threads, one, one, self._none, self._stream(device),
+            self._params, None,
+        )  # fmt: skip
         if status:
             name = ctypes.c_char_p()
             self._error_name(status, ctypes.byref(name))
