@@ -1,7 +1,7 @@
 """Kernels of ``csrc/`` compiled at run time with NVRTC (through cupy), once per process.
 
 Every caller keeps a torch path that gives the same bytes, taken where a kernel cannot be
-compiled (no NVRTC, no cupy): these functions say so once in the log and return None.
+compiled (no NVRTC, no cupy): :func:`kernel` says so once in the log and returns None.
 """
 
 from __future__ import annotations
