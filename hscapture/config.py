@@ -41,7 +41,7 @@ def default_endpoint() -> str:
 
 
 def default_writer_threads() -> int:
-    """Shard writer threads: 2, so one shard's bytes go into the page cache while the other's reach the disk.
+    """Shard writer threads: 2, so one shard is checksummed and handed to the kernel while the other reaches the disk.
 
     Measured on the H200 host's disk (ext4, ``benchmarks/run.py store --consumer-args
     '--writer-threads N'``, 4 GiB of bf16 rows): 1 thread wrote at 0.87 of a raw sequential write +

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hscapture.export import MANIFEST, ExportOptions, export
 from hscapture.fp8 import quantize_rows
@@ -87,6 +88,9 @@ def test_direct_shards_hold_the_bytes_of_buffered_ones(tmp_path: Path, name: str
             assert line["bytes"] == other["bytes"], "a small shard's header is not padded"
         else:  # its first plane starts a page, or 4 bytes short of one (8-byte alignment of the data)
             assert first.begin % DIRECT_ALIGN in (0, DIRECT_ALIGN - 4), (line["file"], first.begin)
+        padded, plain_file = load_file(shard.path), load_file(tmp_path / "cached" / other["file"])
+        assert padded.keys() == plain_file.keys()  # safetensors itself reads the padded header
+        assert all(torch.equal(padded[k].view(torch.uint8), plain_file[k].view(torch.uint8)) for k in padded)
     assert direct.direct.cached_bytes + direct.direct.direct_bytes == sum(
         line["bytes"] for line in lines if line["rows"] == 301
     )

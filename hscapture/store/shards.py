@@ -1,15 +1,15 @@
 """Shard buffers, and writing one shard file straight from its buffer (on a writer thread).
 
 A shard buffer holds ``capacity`` rows: one ``[capacity, hidden * itemsize]`` byte plane per
-captured tensor (pinned memory when the consumer drains a CUDA ring) and the rows' positions,
-token ids and request indices. :func:`write_shard` writes the safetensors header, then every
-tensor from the buffer in blocks of :data:`BLOCK_BYTES`, each block checksummed just before it
-is written (so it is read from the cache, not twice from memory): the captured tensors row by
-row (the ``row_crc32`` table a reader checks the rows it serves against; each tensor's CRC
-follows from its rows'), the rest whole. Nothing builds the file in memory. Every
-:data:`WRITEBACK_BYTES` written, the kernel is asked to start writing them to the disk, so the
-disk works while the rest of the shard is written and the closing fsync waits for the tail only
-(left to itself, the kernel would write nothing until that fsync).
+captured tensor (pinned memory when the consumer drains a CUDA ring) and the rows' positions, token
+ids and request indices. :func:`write_shard` writes the safetensors header, then every tensor from
+the buffer in blocks of :data:`BLOCK_BYTES` (:data:`DIRECT_BLOCK_BYTES` for planes written with
+O_DIRECT), each block checksummed just before it is written: the captured tensors row by row (the
+``row_crc32`` table a reader checks the rows it serves against; each tensor's CRC follows from its
+rows'), the rest whole. Nothing builds the file in memory. Every :data:`WRITEBACK_BYTES` written
+through the page cache, the kernel is asked to start writing them to the disk, so the disk works
+while the rest of the shard is written and the closing fsync waits for the tail only (left to
+itself, the kernel would write nothing until that fsync).
 
 The captured tensors' planes go to the disk with ``O_DIRECT`` where the filesystem takes it (see
 :class:`DirectIO`): straight from the shard buffer, no copy into the page cache, so the CPU time
@@ -17,7 +17,9 @@ that copy and the kernel's writeback took is left to the rows (on the 2-core CPU
 stores were CPU-bound). For that the buffer's planes start at page boundaries, the header is
 padded with spaces (safetensors' trailing whitespace) so the first plane starts at one in the
 file, and each plane is written in whole pages; the header, the small tensors and each plane's
-unaligned ends go through the page cache. The closing fsync makes both durable, as before.
+unaligned ends go through the page cache. Pages whose rows do not lie in memory where the file
+wants them (a later plane when a row is no multiple of a page, codes quantized into a scratch)
+go through a page-aligned scratch of the thread's. The closing fsync makes both durable, as before.
 
 In an fp8 store rows arrive either as captured (each block is quantized into a scratch first;
 the scales and the row table, known only when their tensors are done, are written at their
