@@ -8,9 +8,14 @@ rotating order, in one directory (``--work-dir``, default $TMPDIR):
   process copies them out and writes the store (shards written, fsync'd, renamed, indexed). Timed
   from the first ``capture_step`` until the index's ``run_end`` line.
 * ``raw``: one file of the store's shard bytes written sequentially (64 MiB ``os.write`` calls)
-  and fsync'd.
+  and fsync'd: the issue's baseline.
+* ``raw_direct``: the same, opened with ``O_DIRECT`` from a page-aligned buffer (no page-cache copy:
+  what the store's row planes now do), so the store is also compared with the fastest plain write.
+* with ``--compare-consumer-args``: the store again, its consumer given those flags instead (e.g.
+  ``--no-direct-io``), so a change to the store is measured against the old behaviour in one run.
 
-Reported: GB/s of shard bytes (1e9 B/s) for both and their ratio (median over repeats), for rows
+Reported: GB/s of shard bytes (1e9 B/s) for each and the ratios store / raw, store / raw_direct
+(median over repeats), for rows
 stored as captured (bf16) and as fp8 (half the bytes: quantized on the GPU before the copy out of
 a CUDA ring, by the consumer's writer threads for a host ring). The issue's goal is store >= 0.9
 of raw for both. Where the time goes, per repeat (``phases``): when the first and the last shard
@@ -24,6 +29,7 @@ beside a plain device copy and the copies to the host.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -51,6 +57,7 @@ from hscapture.consumer.device_fp8 import crc_kernel
 from hscapture.fp8 import FP8, Quantizer, host_kernels, quantize_into
 from hscapture.integrations.hf import describe
 from hscapture.store.checksum import row_crcs
+from hscapture.store.shards import DIRECT_ALIGN, page_aligned
 
 GiB = 1 << 30
 #: The goal: the store writes at this fraction of the raw disk rate or better.
@@ -70,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--consumer-args", default="", help="extra `hscapture consume` flags, e.g. '--writer-threads 4'"
     )
     parser.add_argument("--work-dir", type=Path, help="where stores and raw files go (the disk measured)")
+    parser.add_argument(
+        "--compare-consumer-args", help="also measure the store with these consumer flags (e.g. '--no-direct-io')"
+    )
 
 
 def measure(
@@ -81,10 +91,12 @@ def measure(
     slot_mib: int = 4,
     store_dtype: str | None = None,
     consumer_args: tuple[str, ...] = (),
+    compare_args: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    """Store rate against a raw sequential write + fsync of the same bytes in ``work``, ``repeats`` each.
+    """Store rate against a raw sequential write + fsync of the same bytes in ``work`` (buffered, and
+    with O_DIRECT), ``repeats`` each; with ``compare_args`` also the store with those consumer flags.
 
-    Repeats rotate the order (store first, then raw first) so neither side always meets a warmer disk.
+    Repeats rotate the order of the sides so none always meets a warmer disk.
     """
     tensors = len(LAYERS) + 1
     slot = slot_mib * MiB
@@ -96,38 +108,68 @@ def measure(
     raw_s: list[float] = []
     phases: list[dict[str, float]] = []
     raw_phases: list[dict[str, float]] = []
+    direct_s: list[float] = []
+    direct_phases: list[dict[str, float]] = []
+    compare_s: list[float] = []
+    compare_phases: list[dict[str, Any]] = []
+    compare_bytes = 0
     shard_bytes = 0
     disk = filesystem_of(work)["device"]
     for repeat in range(repeats):
-        sides: list[Callable[[], None]] = []
 
         def store_side(repeat: int = repeat) -> None:
             nonlocal shard_bytes
-            out = work / f"store-{repeat}"
-            watch, cpu = DiskWatch(disk), CpuWatch()
-            seconds, shard_bytes, timeline = _store_run(device, out, hidden, slot, rows, steps, states, positions,
-                                                        tokens, store_dtype, consumer_args, watch, cpu)  # fmt: skip
+            seconds, shard_bytes, found = _store_side(work / f"store-{repeat}", consumer_args)
             store_s.append(seconds)
-            phases.append({**timeline, "disk": watch.summary(), "cpu": cpu.summary()})
-            shutil.rmtree(out, ignore_errors=True)
+            phases.append(found)
 
-        def raw_side(repeat: int = repeat) -> None:
+        def compare_side(repeat: int = repeat) -> None:
+            nonlocal compare_bytes
+            assert compare_args is not None
+            seconds, compare_bytes, found = _store_side(work / f"compare-{repeat}", compare_args)
+            compare_s.append(seconds)
+            compare_phases.append(found)
+
+        def _store_side(out: Path, args: tuple[str, ...]) -> tuple[float, int, dict[str, Any]]:
+            watch, cpu = DiskWatch(disk), CpuWatch()
+            seconds, nbytes, timeline = _store_run(device, out, hidden, slot, rows, steps, states, positions,
+                                                   tokens, store_dtype, args, watch, cpu)  # fmt: skip
+            shutil.rmtree(out, ignore_errors=True)
+            return seconds, nbytes, {**timeline, "disk": watch.summary(), "cpu": cpu.summary()}
+
+        def raw_side(repeat: int = repeat, direct: bool = False) -> None:
             watch, cpu = DiskWatch(disk), CpuWatch()
             cpu.start()
             write_s, fsync_s = raw_write(
-                work / f"raw-{repeat}.bin", shard_bytes or _expected_bytes(steps, rows, hidden), watch
+                work / f"raw-{repeat}.bin", shard_bytes or _expected_bytes(steps, rows, hidden), watch, direct=direct
             )
             cpu.stop()
-            raw_s.append(write_s + fsync_s)
-            raw_phases.append({"write_s": round(write_s, 3), "fsync_s": round(fsync_s, 3), "disk": watch.summary(),
-                               "cpu": cpu.summary()})  # fmt: skip
+            (direct_s if direct else raw_s).append(write_s + fsync_s)
+            found = {"write_s": round(write_s, 3), "fsync_s": round(fsync_s, 3), "disk": watch.summary()}
+            (direct_phases if direct else raw_phases).append({**found, "cpu": cpu.summary()})
 
-        sides = [store_side, raw_side] if repeat % 2 == 0 else [raw_side, store_side]
-        for side in sides:
+        sides: list[Callable[[], None]] = [store_side, raw_side, lambda repeat=repeat: raw_side(repeat, direct=True)]
+        sides += [compare_side] if compare_args is not None else []
+        turn = repeat % len(sides)
+        for side in sides[turn:] + sides[:turn]:
             side()
     captured = steps * rows * tensors * hidden * 2
     store_gbps = shard_bytes / statistics.median(store_s) / 1e9
     raw_gbps = shard_bytes / statistics.median(raw_s) / 1e9
+    direct_gbps = shard_bytes / statistics.median(direct_s) / 1e9
+    compared: dict[str, Any] = {}
+    if compare_args is not None:
+        compare_gbps = compare_bytes / statistics.median(compare_s) / 1e9
+        compared = {
+            "compare": {
+                "consumer_args": " ".join(compare_args),
+                "store_gbps": round(compare_gbps, 3),
+                "ratio": round(compare_gbps / raw_gbps, 4),
+                "ratio_to_direct": round(compare_gbps / direct_gbps, 4),
+                "store_seconds": [round(x, 3) for x in compare_s],
+                "store_phases": compare_phases,
+            }
+        }
     return {
         "stored_as": "fp8" if store_dtype else "bf16",
         "captured_bytes": captured,
@@ -138,14 +180,20 @@ def measure(
         "rows_in_gbps": round(captured / statistics.median(store_s) / 1e9, 3),
         "store_gbps": round(store_gbps, 3),
         "raw_write_gbps": round(raw_gbps, 3),
+        "raw_direct_gbps": round(direct_gbps, 3),
         "ratio": round(store_gbps / raw_gbps, 4),
+        "ratio_to_direct": round(store_gbps / direct_gbps, 4),
         "store_seconds": [round(x, 3) for x in store_s],
         "raw_seconds": [round(x, 3) for x in raw_s],
+        "raw_direct_seconds": [round(x, 3) for x in direct_s],
         "store_phases": phases,
         "raw_phases": raw_phases,
+        "raw_direct_phases": direct_phases,
         "store_steady_gbps": _median_of(phases, "steady_gbps"),
+        **compared,
         "note": "GB/s = 1e9 bytes/s of shard files; store: first capture_step to the run_end line of its index "
-        "(every shard fsync'd and indexed); raw: 64 MiB os.write calls then fsync, same directory, same bytes. "
+        "(every shard fsync'd and indexed); raw: 64 MiB os.write calls then fsync, same directory, same bytes; "
+        "raw_direct: the same with O_DIRECT from a page-aligned buffer (the unaligned tail through the cache). "
         "store_phases, seconds from the first capture_step: first_shard / last_shard = its line in the index, "
         "producer_closed = Producer.close returned (every slot released), run_end; steady_gbps = shard bytes "
         "listed after the first shard line, over the time to the last one",
@@ -363,16 +411,25 @@ def wait_run_end(index: Path, consumer: subprocess.Popen[Any], timeout_s: float 
     raise RuntimeError(f"{index}: no run_end line within {timeout_s:.0f} s")
 
 
-def raw_write(path: Path, nbytes: int, watch: DiskWatch, block: int = 64 * MiB) -> tuple[float, float]:
-    """Seconds to write ``nbytes`` of random bytes sequentially to ``path``, and then to fsync it."""
-    data = memoryview(np.random.default_rng(1).integers(0, 256, min(block, nbytes), dtype=np.uint8).tobytes())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def raw_write(
+    path: Path, nbytes: int, watch: DiskWatch, block: int = 64 * MiB, direct: bool = False
+) -> tuple[float, float]:
+    """Seconds to write ``nbytes`` of random bytes sequentially to ``path``, and then to fsync it; with
+    ``direct``, its whole pages with O_DIRECT from a page-aligned buffer, the rest through the cache."""
+    data = memoryview(page_aligned(lambda n: np.empty(n, dtype=np.uint8), min(block, nbytes)))
+    data[:] = np.random.default_rng(1).integers(0, 256, len(data), dtype=np.uint8).data
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o600)
     try:
         watch.start()
         started = time.perf_counter()
         written = 0
-        while written < nbytes:
-            written += os.write(fd, data[: min(len(data), nbytes - written)])
+        whole = nbytes // DIRECT_ALIGN * DIRECT_ALIGN if direct else nbytes
+        while written < whole:
+            written += os.write(fd, data[: min(len(data), whole - written)])
+        if written < nbytes:  # the tail that is not a whole page
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            while written < nbytes:
+                written += os.write(fd, data[: nbytes - written])
         wrote = time.perf_counter()
         os.fsync(fd)
         return wrote - started, time.perf_counter() - wrote
@@ -517,7 +574,8 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
     dtypes = [d.strip() for d in args.store_dtypes.split(",") if d.strip()]
     if not set(dtypes) <= {"bf16", "fp8"}:
         raise ValueError(f"--store-dtypes: {args.store_dtypes!r}; use bf16, fp8 or both")
-    settings = {key: getattr(args, key) for key in ("device", "gib", "repeats", "hidden", "slot_mib", "consumer_args")}
+    keys = ("device", "gib", "repeats", "hidden", "slot_mib", "consumer_args", "compare_consumer_args")
+    settings = {key: getattr(args, key) for key in keys}
     outcome = Outcome(name=f"store-{tag}", device={"kind": device.type, "name": name}, settings=settings, results={})
     work = Path(tempfile.mkdtemp(prefix="hscapture-store-rate-", dir=args.work_dir))
     try:
@@ -530,6 +588,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
             outcome.results[stored] = measure(
                 device, work, args.gib, args.repeats, args.hidden, args.slot_mib,
                 "fp8" if stored == "fp8" else None, tuple(args.consumer_args.split()),
+                None if args.compare_consumer_args is None else tuple(args.compare_consumer_args.split()),
             )  # fmt: skip
             outcome.goals = goals(outcome.results)
             checkpoint(outcome)
@@ -542,17 +601,30 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
 
 def table(record: dict[str, Any]) -> str:
     lines = [
-        "| stored as | rows in, GB/s | store, GB/s on disk | raw write + fsync, GB/s | store / raw | goal |",
-        "|---|---:|---:|---:|---:|---|",
+        "| stored as | rows in, GB/s | store, GB/s on disk | raw write + fsync, GB/s | store / raw | goal "
+        "| raw O_DIRECT + fsync, GB/s | store / raw O_DIRECT |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     stores = {name: data for name, data in record["results"].items() if "ratio" in data}
     for name, data in stores.items():
         goal = record["goals"].get(f"store_vs_raw_disk_{name}", {})
         met = "met" if goal.get("met") else "missed"
+        direct = (
+            [f"{data['raw_direct_gbps']:.2f}", f"{data['ratio_to_direct']:.3f}"]
+            if "raw_direct_gbps" in data
+            else ["-", "-"]
+        )
         lines.append(
             f"| {name} | {data['rows_in_gbps']:.2f} | {data['store_gbps']:.2f} | {data['raw_write_gbps']:.2f} | "
-            f"**{data['ratio']:.3f}** | {goal.get('target', '')} {met} |"
+            f"**{data['ratio']:.3f}** | {goal.get('target', '')} {met} | {direct[0]} | {direct[1]} |"
         )
+        compare = data.get("compare")
+        if compare:
+            lines.append(
+                f"| {name}, consumer `{compare['consumer_args']}` | - | {compare['store_gbps']:.2f} | "
+                f"{data['raw_write_gbps']:.2f} | {compare['ratio']:.3f} | | {direct[0]} | "
+                f"{compare['ratio_to_direct']:.3f} |"
+            )
     fs = next(iter(stores.values()), {}).get("filesystem", {})
     settings = record["settings"]
     lines.append(
@@ -561,21 +633,27 @@ def table(record: dict[str, Any]) -> str:
     )
     head = ("stored as", "first shard listed, s", "steady, GB/s", "producer closed, s", "last shard listed, s",
             "run_end, s", "raw write, s", "raw fsync, s", "disk busy: store / raw",
-            "core-s, store: consumer, producer, machine", "core-s, raw: writer, machine")  # fmt: skip
+            "core-s, store: consumer, producer, machine", "core-s, raw: writer, machine",
+            "raw O_DIRECT + fsync, s", "core-s, raw O_DIRECT: writer, machine")  # fmt: skip
+    compared = any("compare" in data for data in stores.values())
+    head += ("store with the compared flags: run_end, s", "core-s: consumer, producer, machine") if compared else ()
     lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name, data in stores.items():
-        for phase, raw in zip(data.get("store_phases", []), data.get("raw_phases", [])):
+        direct_phases = data.get("raw_direct_phases", [])
+        compare_phases = data.get("compare", {}).get("store_phases", [])
+        for repeat, (phase, raw) in enumerate(zip(data.get("store_phases", []), data.get("raw_phases", []))):
             keys = ("first_shard", "steady_gbps", "producer_closed", "last_shard", "run_end")
             cells = ["-" if phase.get(k) is None else phase[k] for k in keys]  # steady: needs two shards
             disks = phase.get("disk"), raw.get("disk")
             busy = f"{disks[0]['busy']:.2f} / {disks[1]['busy']:.2f}" if all(disks) else "-"
-            cpus = phase.get("cpu"), raw.get("cpu")
-            cores = ["-", "-"]
-            if all(cpus):
-                store, raw_cpu = cpus
-                keys = ("consumer_core_s", "this_thread_core_s", "machine_busy_core_s")
-                cores = [", ".join(f"{store[k]:.2f}" for k in keys), ", ".join(f"{raw_cpu[k]:.2f}" for k in keys[1:])]
-            cells += [raw["write_s"], raw["fsync_s"], busy, *cores]
+            cells += [raw["write_s"], raw["fsync_s"], busy, _cores(phase, _CPU), _cores(raw, _CPU[1:])]
+            direct = direct_phases[repeat] if repeat < len(direct_phases) else None
+            cells += (
+                [round(direct["write_s"] + direct["fsync_s"], 3), _cores(direct, _CPU[1:])] if direct else ["-", "-"]
+            )
+            if compared:
+                other = compare_phases[repeat] if repeat < len(compare_phases) else None
+                cells += [other["run_end"], _cores(other, _CPU)] if other else ["-", "-"]
             lines.append(f"| {name} | " + " | ".join(map(str, cells)) + " |")
     cost = record["results"].get("device_fp8")
     if cost:
@@ -594,6 +672,15 @@ def table(record: dict[str, Any]) -> str:
             f"ms), plain copy {host['copy_ms']} ms."
         )
     return "\n".join(lines)
+
+
+#: CpuWatch's figures, as the table shows them: the consumer, this thread (producer or raw writer), the machine.
+_CPU = ("consumer_core_s", "this_thread_core_s", "machine_busy_core_s")
+
+
+def _cores(phase: dict[str, Any], keys: tuple[str, ...]) -> str:
+    cpu = phase.get("cpu") or {}
+    return ", ".join(f"{cpu[k]:.2f}" for k in keys) if all(k in cpu for k in keys) else "-"
 
 
 SUITE = SuiteSpec(

@@ -41,7 +41,7 @@ def default_endpoint() -> str:
 
 
 def default_writer_threads() -> int:
-    """Shard writer threads: 2, so one shard's bytes go into the page cache while the other's reach the disk.
+    """Shard writer threads: 2, so one shard is checksummed and handed to the kernel while the other reaches the disk.
 
     Measured on the H200 host's disk (ext4, ``benchmarks/run.py store --consumer-args
     '--writer-threads N'``, 4 GiB of bf16 rows): 1 thread wrote at 0.87 of a raw sequential write +
@@ -276,6 +276,9 @@ class ConsumerConfig:
     #: Bytes of a shard a writer thread writes before it asks the kernel to start writing them to the
     #: disk (0: nothing reaches the disk before the shard's fsync, so it idles while shards are copied).
     writeback_bytes: int = 16 * MiB
+    #: Write the shards' row planes with O_DIRECT, straight from the shard buffers to the disk (no copy
+    #: into the page cache, which costs CPU time); off where the filesystem refuses it (said in the log).
+    direct_io: bool = True
     #: How often the consumer says hello while waiting, and heartbeats while attached.
     heartbeat_ms: int = 200
     #: Exit after the producer's end of stream (offline extraction) instead of waiting for the next run.

@@ -127,6 +127,7 @@ class Consumer:
                 writeback_bytes=config.writeback_bytes,
                 share_group=config.share_group,
                 lock_fd=config.store_lock_fd,
+                direct_io=config.direct_io,
             )
         self._sockets = ConsumerSockets(config.endpoint, self.consumer_id, curve)
         self._announce, self._release = self._sockets.announce, self._sockets.release

@@ -342,18 +342,21 @@ def _is_crc(value: Any) -> bool:
 
 
 def shard_header(
-    tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: dict[str, str]
+    tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: dict[str, str], align: tuple[str, int] | None = None
 ) -> tuple[bytes, list[int]]:
     """The safetensors header of a shard, as ``safetensors.torch.save`` lays it out.
 
     Args:
         tensors: ``(name, dtype code, shape)`` of every tensor.
         metadata: the ``__metadata__`` strings.
+        align: ``(name, alignment)``: pad the header further so that tensor ``name``'s data starts
+            at a multiple of ``alignment`` bytes in the file (or 4 bytes short of one, where the 8-byte
+            alignment of the data section allows no better), so it can be written with ``O_DIRECT``.
 
     Returns:
         The file's first bytes (8-byte little-endian header length, then the JSON header padded
-        with spaces to a multiple of 8), and the tensors' indices in file order: largest
-        alignment first, then by name, with no byte between two tensors.
+        with spaces to a multiple of 8, safetensors' trailing whitespace), and the tensors' indices
+        in file order: largest alignment first, then by name, with no byte between two tensors.
     """
     order = sorted(range(len(tensors)), key=lambda i: (_FILE_ORDER.index(tensors[i][1]), tensors[i][0]))
     header: dict[str, Any] = {"__metadata__": metadata}
@@ -365,6 +368,10 @@ def shard_header(
         offset = end
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
+    if align is not None:
+        name, alignment = align
+        start = 8 + len(text) + header[name]["data_offsets"][0]
+        text += b" " * (-start % alignment // 8 * 8)
     return len(text).to_bytes(8, "little") + text, order
 
 

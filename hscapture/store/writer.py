@@ -48,7 +48,7 @@ from hscapture.store.index import KEPT, IndexLog, rewrite_index
 from hscapture.store.prefixes import PrefixIndex
 from hscapture.store.records import Finish, Request, once, request_record
 from hscapture.store.recovery import recover_open_runs
-from hscapture.store.shards import WRITEBACK_BYTES, ShardBuffer, ShardSpec, new_buffer, write_shard
+from hscapture.store.shards import WRITEBACK_BYTES, DirectIO, ShardBuffer, ShardSpec, new_buffer, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,8 @@ class StoreWriter:
             captured, or as an existing store already does.
         writeback_bytes: bytes a writer thread writes before asking the kernel to start writing them
             to the disk (0: nothing reaches the disk before each shard's fsync).
+        direct_io: write the shards' row planes with ``O_DIRECT`` (no copy into the page cache) where
+            the filesystem takes it; False writes everything through the page cache.
         share_group: let this group read the store (directory setgid 2750, files 0640); by default
             it is private (0700, 0600), or shared as an existing store already is.
         lock_fd: a descriptor of the store's ``.lock`` that the process which started this one holds
@@ -182,6 +184,7 @@ class StoreWriter:
         writeback_bytes: int = WRITEBACK_BYTES,
         share_group: str | None = None,
         lock_fd: int | None = None,
+        direct_io: bool = True,
     ) -> None:
         if shard_buffers is not None and shard_buffers < 2:
             raise ValueError(f"shard_buffers: {shard_buffers}; at least 2 (one filling, one being written)")
@@ -203,6 +206,8 @@ class StoreWriter:
         self.shard_bytes = shard_bytes
         self.flush_s = flush_s
         self.writeback_bytes = writeback_bytes
+        #: Whether row planes go out with O_DIRECT (off after the filesystem refused it), bytes each way.
+        self.direct = DirectIO(direct_io)
         self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
         self._free: queue.SimpleQueue[ShardBuffer] = queue.SimpleQueue()
         self._buffers_made = 0
@@ -571,7 +576,7 @@ class StoreWriter:
             writeback_bytes=self.writeback_bytes,
         )
         self._writing[shard.shard_id] = self._pool.submit(
-            _write_and_free, self.root, spec, shard.buffer, self._free, self.file_mode
+            _write_and_free, self.root, spec, shard.buffer, self._free, self.file_mode, self.direct
         )
         self._commit_ready()
 
@@ -682,10 +687,10 @@ def _pageable_bytes(nbytes: int) -> np.ndarray:
 
 
 def _write_and_free(
-    root: Path, spec: ShardSpec, buffer: ShardBuffer, free: queue.SimpleQueue[ShardBuffer], mode: int
+    root: Path, spec: ShardSpec, buffer: ShardBuffer, free: queue.SimpleQueue[ShardBuffer], mode: int, direct: DirectIO
 ) -> dict[str, Any]:
     """Runs on a writer thread: write the shard, then give its buffer back."""
     try:
-        return write_shard(root, spec, buffer, mode)
+        return write_shard(root, spec, buffer, mode, direct)
     finally:
         free.put(buffer)
