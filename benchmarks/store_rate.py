@@ -12,7 +12,7 @@ rotating order, in one directory (``--work-dir``, default $TMPDIR):
 * ``raw_direct``: the same, opened with ``O_DIRECT`` from a page-aligned buffer (no page-cache copy:
   what the store's row planes now do), so the store is also compared with the fastest plain write.
 * with ``--compare-consumer-args``: the store again, its consumer given those flags instead (e.g.
-  ``--no-direct-io``), so a change to the store is measured against the old behaviour in one run.
+  ``--direct-io off``), so a change to the store is measured against the old behaviour in one run.
 
 Reported: GB/s of shard bytes (1e9 B/s) for each and the ratios store / raw, store / raw_direct
 (median over repeats), for rows
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--work-dir", type=Path, help="where stores and raw files go (the disk measured)")
     parser.add_argument(
-        "--compare-consumer-args", help="also measure the store with these consumer flags (e.g. '--no-direct-io')"
+        "--compare-consumer-args", help="also measure the store with these consumer flags (e.g. '--direct-io off')"
     )
 
 

@@ -28,6 +28,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 
+#: What ``ConsumerConfig.direct_io`` accepts.
+DIRECT_IO = ("auto", "on", "off")
 #: What ``store_dtype`` accepts, by name: the name written to ``meta.json``. None stores the captured dtype.
 STORE_DTYPES: dict[str, str] = {"fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
 
@@ -276,9 +278,11 @@ class ConsumerConfig:
     #: Bytes of a shard a writer thread writes before it asks the kernel to start writing them to the
     #: disk (0: nothing reaches the disk before the shard's fsync, so it idles while shards are copied).
     writeback_bytes: int = 16 * MiB
-    #: Write the shards' row planes with O_DIRECT, straight from the shard buffers to the disk (no copy
-    #: into the page cache, which costs CPU time); off where the filesystem refuses it (said in the log).
-    direct_io: bool = True
+    #: Write the shards' row planes with O_DIRECT, straight from the shard buffers to the disk: no copy
+    #: into the page cache (CPU time), but each write waits for the disk. ``auto``: on for a host ring
+    #: (a CPU engine, whose cores are the limit), off for a CUDA ring (idle cores: the cache keeps the
+    #: disk busier). Off where the filesystem refuses it (said in the log).
+    direct_io: str = field(default="auto", metadata=flag(choices=DIRECT_IO))
     #: How often the consumer says hello while waiting, and heartbeats while attached.
     heartbeat_ms: int = 200
     #: Exit after the producer's end of stream (offline extraction) instead of waiting for the next run.
@@ -323,6 +327,8 @@ class ConsumerConfig:
             raise ValueError(f"endpoint: {self.endpoint!r} must start with ipc:// or tcp://")
         _check_int("shard_bytes", self.shard_bytes, 1)
         _check_int("writeback_bytes", self.writeback_bytes, 0)
+        if self.direct_io not in DIRECT_IO:
+            raise ValueError(f"direct_io: {self.direct_io!r}; one of {', '.join(DIRECT_IO)}")
         if self.writer_threads is None:
             self.writer_threads = default_writer_threads()
         _check_int("writer_threads", self.writer_threads, 1, 64)

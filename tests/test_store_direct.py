@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hscapture import CaptureConfig, Producer
 from hscapture.export import MANIFEST, ExportOptions, export
 from hscapture.fp8 import quantize_rows
 from hscapture.store.format import read_index
@@ -27,6 +28,7 @@ from hscapture.store.reader import open_store
 from hscapture.store.shardfile import ShardFile
 from hscapture.store.shards import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from hscapture.store.verify import verify_store
+from tests.conftest import ConsumerFactory, wait_attached
 from tests.directfeed import CASES, NAMES, NUM_LAYERS, Case, request_rows, takes_direct, write_store
 
 
@@ -125,3 +127,39 @@ def test_refused_direct_io_falls_back(tmp_path: Path) -> None:
     assert not list(mount.iterdir()), "the ramfs lived in the child's mount namespace only"
     assert [line["rows"] for line in shard_lines(tmp_path / "store")] == [301, 301, 99]
     assert_store_holds(tmp_path / "store", CASES[case])
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_a_host_rings_consumer_writes_row_planes_with_o_direct_unless_told_not_to(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, mode: str
+) -> None:
+    """``--direct-io auto`` (the default) takes O_DIRECT for a host ring (a CPU engine's cores are the limit):
+    the first row plane of a big shard starts a page; ``off`` leaves the header unpadded."""
+    if not takes_direct(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    hidden, rows, steps = 1024, 128, 3  # float32: 4 KiB a row of a tensor; 256 rows (1 MiB a plane) a shard
+    out = tmp_path / "store"
+    consumer = start_consumer(out, endpoint, "--exit-on-eos", "--shard-bytes", str(4 << 20), "--direct-io", mode)
+    slot_bytes = 4 * rows * hidden * 4
+    config = CaptureConfig(
+        layers=(1, 2, 3), hidden_size=hidden, num_layers=4, dtype="float32", device="cpu", policy="block",
+        endpoint=endpoint, slot_bytes=slot_bytes, ring_bytes=4 * slot_bytes, max_step_rows=rows, block_timeout_s=60,
+    )  # fmt: skip
+    producer = Producer(config, tensor_descriptions=[f"tensor {i}" for i in range(4)], meta={"engine": "test"})
+    wait_attached(producer)
+    states = [torch.randn(rows, hidden) for _ in range(4)]
+    for step in range(steps):
+        positions = torch.arange(step * rows, (step + 1) * rows)
+        producer.capture_step(states, ["r"], [rows], positions, positions + 7)
+    producer.finish_request("r", num_tokens=steps * rows)
+    producer.close()
+    assert consumer.wait(60) == 0
+    assert verify_store(out).ok
+    line = shard_lines(out)[0]
+    assert line["rows"] == 256
+    shard = ShardFile(out / line["file"], json.loads((out / "meta.json").read_text()), line["bytes"], line["id"])
+    first = shard.header.tensors[min(shard.header.tensors)]
+    aligned = first.begin % DIRECT_ALIGN in (0, DIRECT_ALIGN - 4)
+    assert aligned == (mode == "auto"), (mode, first.begin)
+    got = open_store(out).get("r")
+    assert all(torch.equal(got[name][:rows], states[t]) for t, name in enumerate(open_store(out).tensor_names))

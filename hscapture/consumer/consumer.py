@@ -127,7 +127,7 @@ class Consumer:
                 writeback_bytes=config.writeback_bytes,
                 share_group=config.share_group,
                 lock_fd=config.store_lock_fd,
-                direct_io=config.direct_io,
+                direct_io=config.direct_io != "off",
             )
         self._sockets = ConsumerSockets(config.endpoint, self.consumer_id, curve)
         self._announce, self._release = self._sockets.announce, self._sockets.release
@@ -289,6 +289,8 @@ class Consumer:
             on_gpu = self.store.fp8 and isinstance(ring, CudaRingReader)
             on_host = self.store.fp8 and isinstance(ring, HostRingReader) and HostQuantizer.available(dtype)
             quantized = on_gpu or on_host
+            if self.config.direct_io == "auto":  # O_DIRECT spares CPU time where the engine's cores are the limit
+                self.store.direct.use(isinstance(ring, HostRingReader))
             self.store.begin_run(layout.run_id, geometry, layout.meta, allocate=ring.allocate, quantized=quantized)
             if isinstance(ring, CudaRingReader) and on_gpu:
                 self._quantizer = DeviceQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows)

@@ -159,14 +159,21 @@ class DirectIO:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled and hasattr(os, "O_DIRECT")
+        self._allowed = self.enabled
         #: Bytes written with O_DIRECT, and through the page cache (headers, small tensors, plane ends).
         self.direct_bytes = 0
         self.cached_bytes = 0
         self._lock = threading.Lock()
         self._local = threading.local()
 
+    def use(self, on: bool) -> None:
+        """Write the shards begun from now on with O_DIRECT or not (never where it was off or refused)."""
+        with self._lock:
+            self.enabled = on and self._allowed
+
     def refused(self, path: Path, exc: OSError) -> None:
         with self._lock:
+            self._allowed = False
             if self.enabled:
                 self.enabled = False
                 log.info("%s: O_DIRECT refused (%s); shards are written through the page cache", path, exc.strerror)
