@@ -33,7 +33,8 @@ from tests.directfeed import CASES, NAMES, NUM_LAYERS, Case, request_rows, takes
 
 
 def shard_lines(root: Path) -> list[dict[str, Any]]:
-    return [r for r in read_index(root) if r["type"] == "shard"]
+    """The store's shard lines by shard id: two writer threads list shards in the order their writes end."""
+    return sorted((r for r in read_index(root) if r["type"] == "shard"), key=lambda line: line["id"])
 
 
 def assert_store_holds(root: Path, case: Case) -> None:
