@@ -12,6 +12,11 @@ HIDDEN = 384
 SLOT_ROWS = 64
 
 
+def current_stream() -> int:
+    """The raw handle of the current stream, where the kernel launches (the ring's ``current_stream``)."""
+    return torch.cuda.current_stream().cuda_stream
+
+
 def ring(num_tensors: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Three slots of one allocation, filled with 0xA5 bytes."""
     slots = 3
@@ -57,7 +62,7 @@ def test_row_kernel_writes_the_torch_writes_bytes_without_a_sync(
         states = [make(3 * HIDDEN), make(HIDDEN)]
     spans = [state.shape[1] // HIDDEN for state in states]
     _, slots = ring(4, dtype)
-    kernel = RowKernel.load(slots, slots[0].numel() * slots[0].element_size(), HIDDEN, 4)
+    kernel = RowKernel.load(slots, slots[0].numel() * slots[0].element_size(), HIDDEN, 4, current_stream)
     assert kernel is not None
     want = expected(slots[1], states, begin, count, first, plane_rows)
     before = [slots[0].clone(), slots[2].clone()]
@@ -75,7 +80,7 @@ def test_row_kernel_writes_the_torch_writes_bytes_without_a_sync(
 def test_row_kernel_declines_what_it_cannot_copy_queuing_nothing() -> None:
     memory, slots = ring(4)
     slot_bytes = slots[0].numel() * slots[0].element_size()
-    kernel = RowKernel.load(slots, slot_bytes, HIDDEN, 4)
+    kernel = RowKernel.load(slots, slot_bytes, HIDDEN, 4, current_stream)
     assert kernel is not None
     five = [torch.randn(8, HIDDEN, device="cuda").bfloat16() for _ in range(5)]
     assert not kernel.write(0, five, [1, 1, 1, 1, 1], 0, 8, 0, 8), "more than 4 sources"
@@ -87,5 +92,5 @@ def test_row_kernel_declines_what_it_cannot_copy_queuing_nothing() -> None:
     assert not kernel.write(0, [odd], [4], 0, 8, 0, 8), "rows not 16-byte aligned"
     torch.cuda.synchronize()
     assert (memory == 0xA5).all(), "a declined write queued something"
-    assert RowKernel.load([s.cpu() for s in slots], slot_bytes, HIDDEN, 4) is None, "a host ring"
-    assert RowKernel.load(slots, slot_bytes, 3, 4) is None, "rows of 6 bytes are not 16-byte vectors"
+    assert RowKernel.load([s.cpu() for s in slots], slot_bytes, HIDDEN, 4, current_stream) is None, "a host ring"
+    assert RowKernel.load(slots, slot_bytes, 3, 4, current_stream) is None, "rows of 6 bytes are not 16-byte vectors"

@@ -223,7 +223,9 @@ class Producer:
         # Typed flat views of every slot, made once: slicing the ring per step costs more than the copy.
         self._slots = [self.ring.slot(i).view(config.torch_dtype) for i in range(config.num_slots)]
         # On a GPU ring a step's rows go in by one driver launch (its host time is the write's cost); else torch.
-        self._row_kernel = RowKernel.load(self._slots, config.slot_bytes, config.hidden_size, self._num_tensors)
+        self._row_kernel = RowKernel.load(
+            self._slots, config.slot_bytes, config.hidden_size, self._num_tensors, self.ring.current_stream
+        )
         self._views: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, _Targets | None]] = {}
         #: ``[count, k, hidden]`` of each state's rows, per row count and grouping (writes into a slot's rows).
         self._shapes: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, int, int], ...]] = {}

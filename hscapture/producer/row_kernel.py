@@ -15,7 +15,7 @@ the ring's GPU, rows 16-byte aligned, each row contiguous. Anything else (and a 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,7 +39,16 @@ class RowKernel:
     writes with torch).
     """
 
-    def __init__(self, function: int, base: int, slot_bytes: int, hidden_bytes: int, num_tensors: int, device: int):
+    def __init__(
+        self,
+        function: int,
+        base: int,
+        slot_bytes: int,
+        hidden_bytes: int,
+        num_tensors: int,
+        device: int,
+        stream: Callable[[], int],
+    ) -> None:
         self._base, self._slot_bytes, self._hidden_bytes = base, slot_bytes, hidden_bytes
         self._device = device
         # The launch's arguments that never change, as ctypes objects (no conversion per call).
@@ -60,14 +69,15 @@ class RowKernel:
             ctypes.c_void_p,
         ]
         self._error_name = driver.cuGetErrorName
-        self._stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-            lambda index: torch.cuda.current_stream(index).cuda_stream
-        )
+        self._stream = stream
 
     @classmethod
-    def load(cls, slots: Sequence[torch.Tensor], slot_bytes: int, hidden: int, num_tensors: int) -> RowKernel | None:
-        """The kernel for a ring whose slot ``i`` is ``slots[i]`` (typed views, in order, one allocation);
-        None on a host ring, where the rows cannot be 16-byte vectors, or where it does not compile."""
+    def load(
+        cls, slots: Sequence[torch.Tensor], slot_bytes: int, hidden: int, num_tensors: int, stream: Callable[[], int]
+    ) -> RowKernel | None:
+        """The kernel for a ring whose slot ``i`` is ``slots[i]`` (typed views, in order, one allocation),
+        launched on ``stream()`` (the ring's :meth:`~hscapture.ring.base.Ring.current_stream`); None on a host
+        ring, where the rows cannot be 16-byte vectors, or where it does not compile."""
         first = slots[0] if slots else None
         if first is None or not first.is_cuda:
             return None
@@ -80,7 +90,7 @@ class RowKernel:
             if raw is None:
                 return None
             function = raw.kernel.ptr if hasattr(raw, "kernel") else raw.ptr
-        return cls(function, first.data_ptr(), slot_bytes, hidden_bytes, num_tensors, device)
+        return cls(function, first.data_ptr(), slot_bytes, hidden_bytes, num_tensors, device, stream)
 
     def write(
         self,
@@ -121,7 +131,7 @@ class RowKernel:
         values[_PLANE].value = plane_rows * hidden_bytes >> 4
         one = self._one
         status = self._launch(
-            self._function, count, self._tensors, one, self._threads, one, one, self._none, self._stream(device),
+            self._function, count, self._tensors, one, self._threads, one, one, self._none, self._stream(),
             self._params, None,
         )  # fmt: skip
         if status:
