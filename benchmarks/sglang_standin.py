@@ -129,6 +129,8 @@ class GenerationBatchResult:
     #: Sampled token per request, on the host once ``copy_done`` has completed.
     next_token_ids: torch.Tensor
     copy_done: Any = None
+    #: The forward replayed a CUDA graph.
+    can_run_cuda_graph: bool = False
     #: Stand-in bookkeeping (SGLang keeps it on the request): whether each request's sample counts.
     commits: list[bool] = field(default_factory=list)
 
@@ -165,6 +167,21 @@ class _State:
 Hook = Callable[[str, Callable[[], None]], None]
 
 
+@dataclass
+class ForwardBatch:
+    """``forward_batch_info.ForwardBatch``: what a capture tail hook reads of it."""
+
+    forward_mode: ForwardMode
+
+
+@dataclass
+class ModelRunner:
+    """``model_runner.ModelRunner``: its capture tail hooks, called as ``hook(graph_runner, out, forward_batch,
+    num_tokens)`` inside every decode graph's capture, after the forward."""
+
+    capture_tail_hooks: list[Callable[..., None]] = field(default_factory=list)
+
+
 def _call(name: str, call: Callable[[], None]) -> None:
     call()
 
@@ -181,6 +198,9 @@ class OverlapScheduler:
         mixed: put running requests' decode rows into prefill batches (``--enable-mixed-chunk``).
         overlap: ``event_loop_overlap``'s order (default) or ``event_loop_normal``'s.
         queued_gpu_s: GPU time queued in each forward before its outputs (``torch.cuda._sleep``).
+        graphs: decode batch sizes whose forward is a CUDA graph (``DecodeCudaGraphRunner``'s role): captured
+            at start, after ``capture.attach_graphs(self.model_runner)`` (the model-load hook's call), each
+            decode batch padded up to the next of them and replayed; larger batches and the rest run eagerly.
         hook: calls each hook (``hook(name, call)``): tests wrap it in sync-debug mode,
             the benchmark times it.
     """
@@ -198,6 +218,7 @@ class OverlapScheduler:
         mixed: bool = True,
         overlap: bool = True,
         queued_gpu_s: float = 0.0,
+        graphs: Sequence[int] = (),
         hook: Hook = _call,
     ) -> None:
         self.capture = capture
@@ -213,7 +234,7 @@ class OverlapScheduler:
         #: Forward mode of every batch launched, in order.
         self.modes: list[ForwardMode] = []
         self.last: tuple[ScheduleBatch, GenerationBatchResult] | None = None
-        rows = max(chunk_size, 1) + len(plans)
+        rows = max([max(chunk_size, 1) + len(plans), *graphs])
         # Static outputs, overwritten by every forward, like a CUDA graph's.
         self.aux_out = torch.zeros(rows, num_aux * hidden, device=self.device, dtype=dtype)
         self.last_out = torch.zeros(rows, hidden, device=self.device, dtype=dtype)
@@ -221,6 +242,14 @@ class OverlapScheduler:
         self.token_buf = torch.zeros(len(plans) + 1, dtype=torch.int64, device=self.device)  # FutureMap
         self.forward_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.sleep_cycles = _cycles_for(queued_gpu_s) if self.cuda and queued_gpu_s > 0 else 0
+        #: The graph runner's owner (``graph_runner.model_runner``), with the hooks its captures call.
+        self.model_runner = ModelRunner()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if graphs:
+            if not self.cuda:
+                raise ValueError("graphs: CUDA graphs need device 'cuda'")
+            capture.attach_graphs(self.model_runner)
+            self._capture_graphs(sorted(graphs))
 
     @property
     def reqs(self) -> dict[str, Req]:
@@ -322,20 +351,19 @@ class OverlapScheduler:
             input_ids = torch.cat([prefill_ids, decode_ids])  # decode tokens: only on the device
             batch.input_ids = input_ids
             pos = self._to_device(positions)
-            if self.sleep_cycles:
-                torch.cuda._sleep(self.sleep_cycles)  # the model's work, queued ahead of its outputs
             total = len(positions)
-            base = (input_ids * 1024 + pos).to(torch.float32)[:, None] + self.offsets[None, :]
-            aux, last = self.aux_out[:total], self.last_out[:total]
-            aux.view(total, self.num_aux, -1).copy_(
-                base[:, : self.num_aux, None].expand(-1, -1, aux.shape[1] // self.num_aux)
-            )
-            last.copy_(base[:, self.num_aux :].expand(-1, last.shape[1]))
+            graph = None if extend else self._graph_for(total)
+            if graph is None:
+                self._model(input_ids, pos)
+            else:  # the graph's static inputs, then its replay (padding rows keep what they held)
+                self.graph_ids[:total].copy_(input_ids)
+                self.graph_pos[:total].copy_(pos)
+                self.graphs[graph].replay()
             rows = self._to_device(last_rows)
             sampled = (input_ids[rows] * 7 + pos[rows] * 13 + 5) % VOCAB
             self.token_buf[self._to_device(np.asarray(pools, dtype=np.int64))] = sampled  # FutureMap.stash
-            output = LogitsProcessorOutput(aux, last)
-            result = GenerationBatchResult(output, sampled, commits=commits)
+            output = LogitsProcessorOutput(self.aux_out[:total], self.last_out[:total])
+            result = GenerationBatchResult(output, sampled, can_run_cuda_graph=graph is not None, commits=commits)
             self.hook("after_forward", lambda: self.capture.after_forward(result, None, batch))
             if self.cuda:  # SGLang's copy_to_cpu after the forward: non-blocking, then an event
                 host = torch.empty(len(pools), dtype=torch.int64, pin_memory=True)
@@ -343,6 +371,47 @@ class OverlapScheduler:
                 result.next_token_ids, result.copy_done = host, torch.cuda.Event()
                 result.copy_done.record()
         return result
+
+    def _model(self, input_ids: torch.Tensor, pos: torch.Tensor) -> LogitsProcessorOutput:
+        """The forward: queued GPU work, then every captured tensor's rows into the static outputs."""
+        if self.sleep_cycles:
+            torch.cuda._sleep(self.sleep_cycles)  # the model's work, queued ahead of its outputs
+        total = input_ids.shape[0]
+        base = (input_ids * 1024 + pos).to(torch.float32)[:, None] + self.offsets[None, :]
+        aux, last = self.aux_out[:total], self.last_out[:total]
+        width = aux.shape[1] // self.num_aux
+        aux.view(total, self.num_aux, -1).copy_(base[:, : self.num_aux, None].expand(-1, -1, width))
+        last.copy_(base[:, self.num_aux :].expand(-1, last.shape[1]))
+        return LogitsProcessorOutput(aux, last)
+
+    def _graph_for(self, rows: int) -> int | None:
+        """The captured batch size a decode batch of ``rows`` replays (the next one up), if any."""
+        return next((size for size in self.graphs if size >= rows), None)
+
+    def _capture_graphs(self, sizes: list[int]) -> None:
+        """Capture each decode graph as SGLang does: two eager warm-ups, then the capture; the tail hooks run in
+        all three, after the forward (they act only while capturing)."""
+        largest = sizes[-1]
+        self.graph_ids = torch.zeros(largest, dtype=torch.int64, device=self.device)
+        self.graph_pos = torch.zeros(largest, dtype=torch.int64, device=self.device)
+        decode = ForwardBatch(ForwardMode.DECODE)
+
+        def forward(size: int) -> None:
+            out = self._model(self.graph_ids[:size], self.graph_pos[:size])
+            for hook in self.model_runner.capture_tail_hooks:
+                hook(self, out, decode, size)
+
+        side = torch.cuda.Stream(self.device)
+        for size in sizes:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    forward(size)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                forward(size)
+            self.graphs[size] = graph
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(values)

@@ -1,11 +1,13 @@
-"""The CUDA ring's one-launch row write (``csrc/rows_to_planes.cu``) gives the bytes of the torch write."""
+"""The CUDA ring's row writes (``csrc/rows_to_planes.cu``) give the bytes of the torch write: one launch per step
+(``RowKernel``), or a copy captured in a CUDA graph that takes each replay's destination from the host's plan
+(``GraphRows``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hscapture.producer.row_kernel import RowKernel
+from hscapture.producer.row_kernel import GraphRows, RowKernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 HIDDEN = 384
@@ -94,3 +96,120 @@ def test_row_kernel_declines_what_it_cannot_copy_queuing_nothing() -> None:
     assert (memory == 0xA5).all(), "a declined write queued something"
     assert RowKernel.load([s.cpu() for s in slots], slot_bytes, HIDDEN, 4, current_stream) is None, "a host ring"
     assert RowKernel.load(slots, slot_bytes, 3, 4, current_stream) is None, "rows of 6 bytes are not 16-byte vectors"
+
+
+def captured_copy(
+    graph_rows: GraphRows, rows: int, dtype: torch.dtype
+) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]:
+    """A graph standing for an engine's decode forward: it writes fresh rows into static outputs (aux layers side by
+    side, then the last layer), then holds the plan-driven copy of them. Returns it, its outputs and its input."""
+    seed = torch.zeros(1, device="cuda")
+    aux, last = (
+        torch.zeros(rows, 3 * HIDDEN, device="cuda", dtype=dtype),
+        torch.zeros(rows, HIDDEN, device="cuda", dtype=dtype),
+    )
+    pattern = torch.randn(rows, 4 * HIDDEN, device="cuda")
+
+    def forward() -> None:
+        fresh = (pattern + seed).to(dtype)
+        aux.copy_(fresh[:, : 3 * HIDDEN])
+        last.copy_(fresh[:, 3 * HIDDEN :])
+
+    forward()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+        graph_rows.capture([aux, last])
+    return graph, [aux, last], seed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_graph_copy_writes_where_each_replay_was_planned_after_its_launch(dtype: torch.dtype) -> None:
+    """Replays planned into a fresh slot, then the next rows of a run, then none (a replay whose rows the host did
+    not keep), then past the padding of a smaller batch: each slot ends as the torch write of those rows leaves it,
+    and the host's side (launched, write, settle) never syncs."""
+    memory, slots = ring(4, dtype)
+    slot_bytes = slots[0].numel() * slots[0].element_size()
+    graph_rows = GraphRows.load(slots, slot_bytes, HIDDEN, 4)
+    assert graph_rows is not None
+    rows = 16
+    graph, outputs, seed = captured_copy(graph_rows, rows, dtype)
+    spans = [3, 1]
+    plans = [(1, 0, rows, 0, rows), (1, rows, rows, rows, SLOT_ROWS), (None, 0, 0, 0, 0), (2, 0, 5, 7, SLOT_ROWS)]
+    wants = {i: slots[i].clone() for i in range(3)}
+    torch.cuda.synchronize()
+    for step, (slot, _, count, first, plane_rows) in enumerate(plans):
+        seed.fill_(step)
+        graph.replay()  # launched before the host knows where its rows go
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph_rows.launched()
+            if slot is not None:
+                assert graph_rows.write(slot, outputs, spans, 0, count, first, plane_rows)
+            graph_rows.settle()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        if slot is not None:
+            wants[slot] = expected(wants[slot], [o.clone() for o in outputs], 0, count, first, plane_rows)
+        for i in range(3):
+            assert torch.equal(slots[i].view(torch.uint8), wants[i].view(torch.uint8)), (step, i)
+    assert graph_rows.entries == len(plans) and not graph_rows.failed
+    # A write for other tensors than the graph's outputs plans nothing: the producer writes those with a launch.
+    graph_rows.launched()
+    assert not graph_rows.write(1, [o.clone() for o in outputs], spans, 0, rows, 0, rows)
+    graph_rows.settle()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not graph_rows.failed and memory.numel()
+
+
+def test_graph_copy_without_a_plan_turns_off_and_says_so() -> None:
+    """A replay the host never planned waits ``wait_s``, copies nothing and raises ``failed``; every later replay
+    returns at once. After ``off`` (the producer closed) replays copy nothing and wait for nothing."""
+    _, slots = ring(4)
+    slot_bytes = slots[0].numel() * slots[0].element_size()
+    before = [slot.clone() for slot in slots]
+    graph_rows = GraphRows.load(slots, slot_bytes, HIDDEN, 4, wait_s=0.2)
+    assert graph_rows is not None
+    graph, _, _ = captured_copy(graph_rows, 8, torch.bfloat16)
+    graph.replay()  # never planned
+    torch.cuda.synchronize()
+    assert graph_rows.failed
+    graph_rows.launched()
+    assert not graph_rows.pending  # the copies are off: no entry is owed
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) < 100, "an off copy waited for its plan"
+    assert all(torch.equal(a, b) for a, b in zip(slots, before)), "an unplanned copy wrote"
+
+    closed = GraphRows.load(slots, slot_bytes, HIDDEN, 4, wait_s=30)
+    assert closed is not None
+    graph, _, _ = captured_copy(closed, 8, torch.bfloat16)
+    closed.off()
+    graph.replay()
+    torch.cuda.synchronize()  # returns at once, not after 30 s
+    assert not closed.failed and all(torch.equal(a, b) for a, b in zip(slots, before))
+
+
+def test_graph_copy_refuses_outside_a_capture_and_sources_it_cannot_take() -> None:
+    _, slots = ring(4)
+    graph_rows = GraphRows.load(slots, slots[0].numel() * slots[0].element_size(), HIDDEN, 4)
+    assert graph_rows is not None
+    aux, last = (
+        torch.zeros(8, 3 * HIDDEN, device="cuda", dtype=torch.bfloat16),
+        torch.zeros(8, HIDDEN, device="cuda", dtype=torch.bfloat16),
+    )
+    with pytest.raises(ValueError, match="inside the engine's CUDA graph capture"):
+        graph_rows.capture([aux, last])
+    for sources, why in (([aux], "hold 3 tensors"), ([aux[:, 1:], last], "16-byte aligned")):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(ValueError, match=why), torch.cuda.graph(graph):
+            last.add_(1)  # the capture holds something
+            graph_rows.capture(sources)
+    assert not graph_rows.captured

@@ -24,6 +24,7 @@ from benchmarks.sglang_standin import (
     FINISH_ABORT,
     FINISH_LENGTH,
     VOCAB,
+    ForwardBatch,
     ForwardMode,
     GenerationBatchResult,
     LogitsProcessorOutput,
@@ -42,7 +43,10 @@ from tests.conftest import ConsumerFactory, wait_attached
 
 HIDDEN = 32
 LAYERS = (2, 4, 5)
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu])]
+#: Where the stand-in model runs; "cuda-graphs": its decode forwards are CUDA graphs holding the plugin's copy.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu]), pytest.param("cuda-graphs", marks=[pytest.mark.gpu])]
+#: Decode batch sizes captured as graphs (the plans decode at most 8 requests at once).
+GRAPHS = (1, 2, 4, 8)
 
 
 def plans() -> list[Plan]:
@@ -121,6 +125,7 @@ def test_hooks_store_every_row_with_its_position_and_token(
     device: str,
     overlap: bool,
 ) -> None:
+    device, graphs = device.removesuffix("-graphs"), GRAPHS if device.endswith("-graphs") else ()
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
@@ -137,10 +142,14 @@ def test_hooks_store_every_row_with_its_position_and_token(
         overlap=overlap,
         hook=strict_hooks(device),
         queued_gpu_s=0.002 if device == "cuda" else 0.0,
+        graphs=graphs,
     )
     with no_capture_errors(caplog):
         scheduler.run()
     assert capture.enabled and not capture.pending
+    if graphs:  # decode steps replayed a graph, whose copy wrote their rows
+        assert capture.graph is not None and capture.graph.captured and not capture.graph.failed
+        assert capture.graph.entries == sum(1 for mode in scheduler.modes if mode is ForwardMode.DECODE) > 0
     modes = set(scheduler.modes)
     assert modes == {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE}, modes
     counters = capture.producer.close()
@@ -252,3 +261,34 @@ def test_standins_match_sglangs_own_classes() -> None:
         ), mode
     assert schedule_batch.FINISH_ABORT().to_json() == FINISH_ABORT().to_json()
     assert schedule_batch.FINISH_LENGTH(3).to_json() == FINISH_LENGTH(3).to_json()
+    from sglang.srt.managers import utils as manager_utils
+
+    results = {f.name for f in dataclasses.fields(manager_utils.GenerationBatchResult)}
+    assert {f.name for f in dataclasses.fields(GenerationBatchResult)} - {"commits"} <= results
+    assert {f.name for f in dataclasses.fields(ForwardBatch)} <= {
+        f.name for f in dataclasses.fields(forward_batch_info.ForwardBatch)
+    }
+
+
+@pytest.mark.slow
+def test_sglang_calls_capture_tail_hooks_as_the_plugin_expects() -> None:
+    """The graph copy rides on SGLang's capture tail hooks: ``ModelRunner.capture_tail_hooks``, called inside every
+    decode graph's capture as ``hook(graph_runner, out, forward_batch, num_tokens)``, with ``graph_runner.model_runner``
+    the runner whose list it is; and a replayed forward says so in ``can_run_cuda_graph``. A change there must fail
+    here, on the CPU, not silently on a GPU."""
+    from hscapture.integrations.sglang import use_cpu_host_env
+
+    use_cpu_host_env()
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    import inspect
+
+    from sglang.srt.model_executor import model_runner
+    from sglang.srt.model_executor.runner import base_runner, decode_cuda_graph_runner
+
+    assert "self.capture_tail_hooks = []" in inspect.getsource(model_runner.ModelRunner.__init__)
+    capture = inspect.getsource(decode_cuda_graph_runner.DecodeCudaGraphRunner.capture_one_shape)
+    assert "for capture_hook in self.model_runner.capture_tail_hooks:" in capture
+    assert "capture_hook(self, out, forward_batch, num_tokens)" in capture
+    assert "self.model_runner = model_runner" in inspect.getsource(base_runner.BaseRunner.__init__)
+    forward = inspect.getsource(model_runner.ModelRunner)
+    assert "self.decode_cuda_graph_runner.execute(" in forward and "can_run_graph=can_run_graph" in forward

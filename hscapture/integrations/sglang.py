@@ -66,6 +66,7 @@ from hscapture.config import SLOT_ALIGN, CaptureConfig, MiB, dtype_name
 
 if TYPE_CHECKING:
     from hscapture.producer import WrittenStep
+    from hscapture.producer.row_kernel import GraphRows
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,9 @@ class PluginSettings:
     #: hscapture layer ids the launcher asked SGLang for; the plugin refuses a model that captures
     #: others. None: whatever SGLang's aux flags chose.
     layers: list[int] | None = None
+    #: On a GPU, copy decode rows from inside SGLang's decode CUDA graphs (no launch per step); False: one
+    #: launch per step from the forward hook, as for every forward SGLang runs without a graph.
+    graph_copy: bool = True
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -360,6 +364,10 @@ class SGLangCapture:
         self.pending: deque[_Pending | _DecodeRun] = deque()
         #: The producer served its control socket (releases, attaches) since the last batch result.
         self.served = False
+        #: The ring's writer inside SGLang's decode graphs, and the model runner whose graphs hold it
+        #: (:meth:`attach_graphs`); kept for the process's life: the graphs read its plan table.
+        self.graph: GraphRows | None = None
+        self._graph_runner_owner: Any = None
 
     # --- hooks -------------------------------------------------------------------------
 
@@ -369,13 +377,26 @@ class SGLangCapture:
             self._start(worker)
 
     def after_forward(self, result: Any, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
+        graph = self.graph
+        if graph is not None and getattr(result, "can_run_cuda_graph", False) and batch is not None:
+            mode = batch.forward_mode
+            if mode.is_decode() or mode.is_idle():  # a replay of a decode graph: its copy waits for an entry
+                graph.launched()
+                try:
+                    self._forward(result, batch, kwargs)
+                finally:
+                    graph.settle()
+                return
+        self._forward(result, batch, kwargs)
+
+    def _forward(self, result: Any, batch: Any, kwargs: dict[str, Any]) -> None:
         if not self.enabled or batch is None or kwargs.get("is_verify") or not batch.reqs:
             return
         output = getattr(result, "logits_output", None)
         if output is None or batch.forward_mode.is_idle():
             return
         try:
-            self._capture(worker, batch, output)
+            self._capture(batch, output)
         except Exception as exc:  # capture must never take serving down: say why, stop capturing, serve on
             self._fail(exc)
 
@@ -383,6 +404,11 @@ class SGLangCapture:
         if self.producer is None or not self.enabled:
             return
         try:
+            if self.graph is not None and self.graph.failed:
+                raise RuntimeError(
+                    f"a decode graph's ring copy found no plan entry within {self.graph.wait_s:g} s (a replay the "
+                    "plugin never saw); set graph_copy false to copy with a launch per step"
+                )
             # finished_reason is what Req.finished() reads; the attribute saves a call per request.
             finished = [r for r in batch.reqs if r.finished_reason is not None]
             if finished:
@@ -400,6 +426,43 @@ class SGLangCapture:
         except Exception as exc:
             self._fail(exc)
 
+    def attach_graphs(self, model_runner: Any) -> None:
+        """Put the ring write into the decode CUDA graphs ``model_runner`` captures from now on.
+
+        SGLang calls each of ``model_runner.capture_tail_hooks`` inside every decode graph's capture, after
+        the forward; there :meth:`_graph_tail` adds the copy of the graph's aux and last outputs. A decode
+        step that replays such a graph then writes its rows by a plan entry, not a launch
+        (:class:`~hscapture.producer.row_kernel.GraphRows`). Nothing changes where graphs are off (a CPU,
+        ``--disable-cuda-graph``), for batches past the largest graph, or with ``graph_copy`` false.
+        """
+        hooks = getattr(model_runner, "capture_tail_hooks", None)
+        if hooks is None or not self.settings.graph_copy or self.producer is None:
+            return
+        graph = self.producer.graph_rows()
+        if graph is None:
+            return
+        self.graph, self._graph_runner_owner = graph, model_runner
+        hooks.append(self._graph_tail)
+
+    def _graph_tail(self, graph_runner: Any, out: Any, forward_batch: Any, num_tokens: int) -> None:
+        """SGLang's capture tail hook: inside a decode graph's capture, queue the copy of its outputs."""
+        graph = self.graph
+        if (
+            graph is None
+            or getattr(graph_runner, "model_runner", None) is not self._graph_runner_owner
+            or not forward_batch.forward_mode.is_decode()
+            or not torch.cuda.is_current_stream_capturing()
+        ):
+            return
+        try:
+            aux = out.hidden_states
+            if aux is None:
+                raise ValueError("the graph's output has no aux hidden states")
+            graph.capture((aux, out.last_hidden_states) if self.settings.capture_last else (aux,))
+        except ValueError as exc:  # the graphs captured so far copy nothing from now on; every step launches
+            log.warning("hscapture: decode rows go by a launch per step, not from the graph: %s", exc)
+            graph.off()
+
     def around_rpc(self, original: Any, scheduler: Any, request: Any) -> Any:
         if getattr(request, "method", None) != CLOSE_RPC:
             return original(scheduler, request)
@@ -410,7 +473,7 @@ class SGLangCapture:
 
     # --- work ---------------------------------------------------------------------------
 
-    def _capture(self, worker: Any, batch: Any, output: Any) -> None:
+    def _capture(self, batch: Any, output: Any) -> None:
         """Copy the batch's rows into the ring now (host metadata only); announce them later."""
         aux, last = output.hidden_states, output.last_hidden_states
         if aux is None:
@@ -615,6 +678,7 @@ class SGLangCapture:
         }
         descriptions = arch.describe(self.layers, self.settings.capture_last)
         self.producer = Producer(config, tensor_descriptions=descriptions, meta=meta)
+        self.attach_graphs(runner)
         log.info("hscapture: capturing layers %s (+last=%s) to %s", self.layers, config.capture_last, config.endpoint)
 
     def _check_first_output(self, aux: torch.Tensor, last: torch.Tensor | None) -> Any:

@@ -61,7 +61,7 @@ from hscapture import protocol
 from hscapture.config import CaptureConfig, dtype_name
 from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError, short_repr
 from hscapture.ownership import pid_alive, process_place
-from hscapture.producer.row_kernel import RowKernel
+from hscapture.producer.row_kernel import PLAN_WAIT_S, GraphRows, RowKernel
 from hscapture.ring import Ring, create_ring
 from hscapture.transport import ProducerSockets, publish_token, withdraw_token
 
@@ -226,6 +226,7 @@ class Producer:
         self._row_kernel = RowKernel.load(
             self._slots, config.slot_bytes, config.hidden_size, self._num_tensors, self.ring.current_stream
         )
+        self._graph_rows: GraphRows | None = None
         self._views: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, _Targets | None]] = {}
         #: ``[count, k, hidden]`` of each state's rows, per row count and grouping (writes into a slot's rows).
         self._shapes: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, int, int], ...]] = {}
@@ -587,6 +588,18 @@ class Producer:
         self._serve_when_due()
         return self._acquire_slot()
 
+    def graph_rows(self) -> GraphRows | None:
+        """The ring's writer from inside the engine's CUDA graphs (made on first call); None on a host ring or
+        where its kernels do not compile. Its copies write a step's rows once :meth:`GraphRows.launched` said a
+        replay holding them was launched; :meth:`write_step` and :meth:`extend_step` then plan them, no launch."""
+        if self._graph_rows is None and self._slots:
+            config = self.config
+            wait_s = PLAN_WAIT_S + (config.block_timeout_s if config.policy == "block" else 0.0)  # a copy waits too
+            self._graph_rows = GraphRows.load(
+                self._slots, config.slot_bytes, config.hidden_size, self._num_tensors, wait_s
+            )
+        return self._graph_rows
+
     def reserve_slot(self) -> int:
         """Take a slot out of circulation for good: a graph writes there when ``drop`` has no credit."""
         if not self._free:
@@ -675,6 +688,8 @@ class Producer:
         finally:
             self._closed = True
             self._slots, self._row_kernel = [], None
+            if self._graph_rows is not None:  # the engine's graphs replay on: their copies must not write
+                self._graph_rows.off()
             withdraw_token(self.config.endpoint, self.token)
             self._close_sockets()
             self.ring.close()
@@ -791,6 +806,14 @@ class Producer:
     ) -> None:
         """Copy rows ``[begin, begin + count)`` of the step into ``slot``: planes of ``count`` rows, or (a whole
         step, ``row_stride``) rows ``[first, first + count)`` of planes of ``row_stride`` rows."""
+        graph = self._graph_rows
+        if (
+            graph is not None
+            and graph.pending
+            and row_index is None
+            and graph.write(slot, states, spans, begin, count, first, row_stride or count)
+        ):
+            return
         kernel = self._row_kernel
         if (
             kernel is not None
