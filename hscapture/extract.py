@@ -108,6 +108,9 @@ class ExtractOptions:
     mode: str = field(default="teacher", metadata=flag(choices=("teacher", "regenerate")))
     #: SGLang regenerate mode: most tokens generated per sample.
     max_new_tokens: int = 512
+    #: SGLang on a GPU: copy decode rows from inside its decode CUDA graphs (no launch per step);
+    #: --no-graph-copy: one launch per decode step from the forward hook.
+    graph_copy: bool = True
     #: SGLang regenerate mode: the sampling temperature.
     temperature: float = 0.0
     #: SGLang only: more SGLang server arguments (``hscapture extract ... -- ARGS``, as for ``serve``).
@@ -282,6 +285,7 @@ def open_engine(options: ExtractOptions) -> OfflineEngine:
         return SGLangExtraction(
             options.model, options.layers, options.capture_last, options.dtype, options.device, options.mode,
             options.max_batch_size, options.max_new_tokens, options.temperature, options.sglang_args,
+            graph_copy=options.graph_copy,
         )  # fmt: skip
     from hscapture.integrations.hf import HFExtraction
 

@@ -58,6 +58,9 @@ class ServeOptions:
     shard_bytes: int = 256 * MiB
     #: Bytes of one ring slot (default: room for 512 rows, a decode run of 8 steps at batch 64; at least 4 MiB).
     slot_bytes: int | None = None
+    #: On a GPU, copy decode rows from inside SGLang's decode CUDA graphs, planned by the forward hook (no
+    #: launch per step); --no-graph-copy: one launch per decode step from the hook.
+    graph_copy: bool = True
     #: Seconds the consumers get to close the store after the server stopped.
     grace_s: float = 30.0
     #: Extra arguments for the consumer processes (tests).
@@ -102,6 +105,7 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
         policy=options.policy,
         slot_bytes=options.slot_bytes,
         meta={"launcher": "hscapture serve", "server_args": sglang_args},
+        graph_copy=options.graph_copy,
         layers=list(plan.layers),
     )
     env = {**os.environ, ENV: settings.to_env()}

@@ -13,7 +13,12 @@ settings; then it registers four hooks through SGLang's ``HookRegistry`` (no sou
   SGLang keeps, for every token of every batch, the concatenated aux states
   (``logits_output.hidden_states``) and the post-norm last layer (``.last_hidden_states``),
   inside CUDA graphs too; after a graph replay both are views the next replay overwrites, so
-  the producer copies them into its ring at once (a device copy, no host sync). Decode steps
+  the producer copies them into its ring at once (a device copy, no host sync). On a GPU the
+  copy of a decode step that replays one of SGLang's decode graphs is in the graph itself: the
+  plugin adds it at capture through ``ModelRunner.capture_tail_hooks``
+  (:meth:`SGLangCapture.attach_graphs`), and the hook only writes where the rows go into the
+  copy's plan table in mapped host memory (``GraphRows``), with no launch of its own; other
+  forwards (extend, mixed, batches past the largest graph) are copied by one launch. Decode steps
   of the same requests go into one slot, one after another (a *decode run*: up to
   :data:`RUN_STEPS` steps, or a full slot), announced as one chunk: the announcement's work
   (token ids, the chunk, the sockets) is paid once per run, not per step.

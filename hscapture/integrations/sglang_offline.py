@@ -60,6 +60,7 @@ class SGLangExtraction:
         max_batch_size: samples per ``generate`` call.
         max_new_tokens, temperature: regenerate mode's sampling.
         sglang_args: more SGLang server arguments (``hscapture extract ... -- ARGS``).
+        graph_copy: on a GPU, copy decode rows from inside SGLang's decode CUDA graphs (``PluginSettings``).
 
     Raises:
         ValueError: an unknown mode, no model there, an architecture SGLang's capture cannot
@@ -78,6 +79,7 @@ class SGLangExtraction:
         max_new_tokens: int,
         temperature: float,
         sglang_args: Sequence[str] = (),
+        graph_copy: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"--mode: {mode!r} is unknown; use one of {MODES}")
@@ -95,7 +97,7 @@ class SGLangExtraction:
         self.model_path, self.capture_last, self.dtype, self.device = model_path, capture_last, dtype, device
         self.mode, self.max_batch_size = mode, max_batch_size
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.sglang_args = list(sglang_args)
+        self.sglang_args, self.graph_copy = list(sglang_args), graph_copy
         self.meta: dict[str, Any] = {
             "model": str(model_path),
             "mode": mode,
@@ -117,6 +119,7 @@ class SGLangExtraction:
             policy="block",
             meta={**self.meta, **meta},
             layers=list(self.capture_plan.layers),
+            graph_copy=self.graph_copy,
         )
         os.environ[ENV] = settings.to_env()  # read by the plugin in SGLang's scheduler process
         try:
