@@ -41,6 +41,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -244,7 +245,7 @@ def run_extract(model_dir: Path, data: Path, out: Path, device: str, options: li
     counters = (store.metadata()["runs"][-1].get("end") or {}).get("counters", {})
     samples, tokens, seconds, rate, startup = match.groups()
     return {
-        "command": " ".join(["hscapture", *command[3:]]),
+        "command": shlex.join(["hscapture", *command[3:]]),
         "samples": int(samples),
         "tokens": int(tokens),
         "seconds": float(seconds),

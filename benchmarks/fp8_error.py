@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -205,7 +206,7 @@ def main() -> None:
         real = real_states(args.samples, Path(work))
     record = {
         "benchmark": "fp8 storage: reconstruction error of float8_e4m3fn with a per-row scale, and bytes on disk",
-        "command": " ".join(["python", *sys.argv]),
+        "command": shlex.join(["python", *sys.argv]),
         "commit": commit(),
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count()},
         "bounds": {

@@ -41,6 +41,7 @@ import math
 import os
 import platform
 import queue
+import shlex
 import signal
 import statistics
 import subprocess
@@ -1126,7 +1127,7 @@ def main(argv: list[str] | None = None) -> int:
     goals = compute_goals(results)
     record = {
         "benchmark": "gpu_ring",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "commit": git("rev-parse", "HEAD"),
         "dirty": git("status", "--porcelain") not in ("", "unknown"),
         "machine": safe_machine(),

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import pstats
+import shlex
 import statistics
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def main() -> None:
         consumer.wait(30)
     record = {
         "benchmark": "producer_profile",
-        "command": " ".join(["python", *sys.argv]),
+        "command": shlex.join(["python", *sys.argv]),
         "commit": os.environ.get("HSCAPTURE_COMMIT") or _git_head(),
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
         "requests": args.requests,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -114,7 +115,7 @@ def _extract(model: Path, data: Path, out: Path, options: list[str]) -> dict[str
         raise RuntimeError(f"hscapture extract failed ({done.returncode}): {done.stderr[-2000:]}")
     store = inspect_store(out)
     return {
-        "command": " ".join(["hscapture", *command[3:]]),
+        "command": shlex.join(["hscapture", *command[3:]]),
         "process_seconds": round(wall, 2),
         "capture_seconds": float(match.group(3)),
         "tokens": int(match.group(2)),

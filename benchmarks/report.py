@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -100,7 +101,7 @@ def build_record(suite: str, outcome: Outcome, argv: list[str], seconds: float, 
     return {
         "suite": suite,
         "name": outcome.name,
-        "command": " ".join(["python", "benchmarks/run.py", *argv]),
+        "command": shlex.join(["python", "benchmarks/run.py", *argv]),
         "commit": commit(),
         "dirty": dirty(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

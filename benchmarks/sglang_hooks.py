@@ -62,6 +62,7 @@ import json
 import os
 import platform
 import pstats
+import shlex
 import statistics
 import subprocess
 import sys
@@ -325,7 +326,7 @@ def main() -> None:
     goal = results.get(str(GOAL_BATCH), {}).get(GOAL_VARIANT, {}).get("median_us")
     record = {
         "benchmark": "sglang_hooks",
-        "command": " ".join(["python -m benchmarks.sglang_hooks", *sys.argv[1:]]),
+        "command": shlex.join(["python", "-m", "benchmarks.sglang_hooks", *sys.argv[1:]]),
         "commit": os.environ.get("HSCAPTURE_COMMIT") or _git_head(),
         "machine": {
             "platform": platform.platform(),

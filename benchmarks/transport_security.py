@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import statistics
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
     record = {
         "benchmark": "transport_security",
-        "command": " ".join(["python", "benchmarks/transport_security.py", *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", "benchmarks/transport_security.py", *(argv or sys.argv[1:])]),
         "commit": commit.stdout.strip(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "versions": {"pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "protocol": protocol.PROTOCOL_VERSION},
