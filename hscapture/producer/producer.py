@@ -224,7 +224,7 @@ class Producer:
         self._slots = [self.ring.slot(i).view(config.torch_dtype) for i in range(config.num_slots)]
         # On a GPU ring a step's rows go in by one driver launch (its host time is the write's cost); else torch.
         self._row_kernel = RowKernel.load(
-            self._slots, config.slot_bytes, config.hidden_size, self._num_tensors, self.ring.current_stream
+            self._slots, config.slot_bytes, config.hidden_size, self._num_tensors, self.ring.stream_reader()
         )
         self._graph_rows: GraphRows | None = None
         self._views: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, _Targets | None]] = {}
@@ -254,7 +254,7 @@ class Producer:
         self._closed = False
         self._watchdog = watchdog
         self._release = self._sockets.release
-        self._current_stream = self.ring.current_stream
+        self._current_stream = self.ring.stream_reader()
         try:
             publish_token(config.endpoint, self.token)
         except BaseException:

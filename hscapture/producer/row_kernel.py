@@ -142,7 +142,7 @@ class RowKernel:
         cls, slots: Sequence[torch.Tensor], slot_bytes: int, hidden: int, num_tensors: int, stream: Callable[[], int]
     ) -> RowKernel | None:
         """The kernel for a ring whose slot ``i`` is ``slots[i]`` (typed views, in order, one allocation),
-        launched on ``stream()`` (the ring's :meth:`~hscapture.ring.base.Ring.current_stream`); None on a host
+        launched on ``stream()`` (the ring's :meth:`~hscapture.ring.base.Ring.stream_reader`); None on a host
         ring, where the rows cannot be 16-byte vectors, or where it does not compile."""
         functions = _functions(slots, slot_bytes, hidden, "rows_to_planes")
         if functions is None:
@@ -234,6 +234,7 @@ class GraphRows:
         self._table = torch.zeros((PLAN_ENTRIES + 1, 8), dtype=torch.int64, pin_memory=True)
         self._entries = self._table.numpy()
         self._entries[:PLAN_ENTRIES, 0] = -1  # no entry's tag is a step yet: replay 0 waits for its own
+        self._words = memoryview(self._entries).cast("B").cast("q")  # the entries' int64s, stored without numpy
         self._control = self._entries[PLAN_ENTRIES].view(np.int32)
         self._table_on_device = _device_pointer(self._table.data_ptr())
         self._counter = torch.zeros(1, dtype=torch.int64, device=device)
@@ -367,7 +368,8 @@ class GraphRows:
         self._control[0] = 1
 
     def _plan(self, destination: int, plane: int, begin: int, rows: int) -> None:
-        entry = self._entries[self._next & (PLAN_ENTRIES - 1)]
-        entry[1], entry[2], entry[3], entry[4] = destination, plane, begin, rows
-        entry[0] = self._next  # the tag last: the copy reads the fields once it sees it
-        self._next += 1
+        words, step = self._words, self._next
+        at = (step & (PLAN_ENTRIES - 1)) * 8
+        words[at + 1], words[at + 2], words[at + 3], words[at + 4] = destination, plane, begin, rows
+        words[at] = step  # the tag last: the copy reads the fields once it sees it
+        self._next = step + 1

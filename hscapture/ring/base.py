@@ -12,6 +12,7 @@ Announcements carry only ``(slot, offset, nbytes)``, never handles or paths.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,10 @@ class Ring(ABC):
         """The stream writes are queued on now (a raw handle; 0 where there is none): ``mark_written`` may
         come later, from another stream, for writes queued on this one."""
         return 0
+
+    def stream_reader(self) -> Callable[[], int]:
+        """:meth:`current_stream` as the cheapest callable there is: an engine's hook reads it every step."""
+        return self.current_stream
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:

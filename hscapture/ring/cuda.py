@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -123,6 +125,11 @@ class CudaRing(Ring):
 
     def current_stream(self) -> int:
         return _current_stream(self.device)
+
+    def stream_reader(self) -> Callable[[], int]:
+        if _RAW_STREAM is not None:  # torch's own C call, no Python frame in between
+            return partial(_RAW_STREAM, self.device.index)
+        return self.current_stream
 
     def describe(self) -> dict[str, Any]:
         return {
