@@ -157,7 +157,7 @@ def test_a_changed_digit_in_a_span_is_caught_and_repaired(tmp_path: Path) -> Non
 
     assert cli.main(["verify", str(root), "--repair"]) == 0
     store = open_store(root)
-    assert store.keys(complete_only=True) == ["a", "c"]
+    assert sorted(store.keys(complete_only=True)) == ["a", "c"]  # listed as their shards list: either order
     assert store.record("b")["status"] == "incomplete" and store.record("b")["reason"] == LOST
     got = store.get("b")
     assert torch.equal(got["layer_2"], requests["b"].rows[0]) and got["positions"].tolist() == list(range(12))
