@@ -92,9 +92,17 @@ GOAL_VARIANT = "graph"
 class SyncCapture(SGLangCapture):
     """The forward hook as it was: token ids read from the device at once, rows announced at once."""
 
-    def _capture(self, batch: Any, output: Any) -> None:
+    def _decode(self, batch: Any, output: Any) -> None:
+        self._capture_now(batch, output)
+
+    def _extend(self, batch: Any, output: Any) -> None:
+        self._capture_now(batch, output)
+
+    def _capture_now(self, batch: Any, output: Any) -> None:
         if batch.forward_mode.is_decode():
-            plan = self._decode_plan(batch)
+            plan = self._plan
+            if plan is None or batch.reqs != plan.reqs:
+                plan = self._decode_plan(batch)
             self._decoded = batch.seq_lens_cpu
             rids, counts, total = plan.rids, plan.ones, len(plan.reqs)
             positions = np.subtract(batch.seq_lens_cpu.numpy(), 1, dtype=np.int64)

@@ -382,28 +382,32 @@ class SGLangCapture:
             self._start(worker)
 
     def after_forward(self, result: Any, worker: Any, batch: Any = None, *args: Any, **kwargs: Any) -> None:
+        if batch is None:
+            return
+        # The hot path (a decode step, on a GPU a graph replay) asks each question once, in this one frame.
+        mode = batch.forward_mode
+        decode = mode.is_decode()
         graph = self.graph
-        if graph is not None and getattr(result, "can_run_cuda_graph", False) and batch is not None:
-            mode = batch.forward_mode
-            if mode.is_decode() or mode.is_idle():  # a replay of a decode graph: its copy waits for an entry
-                graph.launched()
-                try:
-                    self._forward(result, batch, kwargs)
-                finally:
-                    graph.settle()
-                return
-        self._forward(result, batch, kwargs)
-
-    def _forward(self, result: Any, batch: Any, kwargs: dict[str, Any]) -> None:
-        if not self.enabled or batch is None or kwargs.get("is_verify") or not batch.reqs:
-            return
-        output = getattr(result, "logits_output", None)
-        if output is None or batch.forward_mode.is_idle():
-            return
+        replay = graph is not None and getattr(result, "can_run_cuda_graph", False) and (decode or mode.is_idle())
+        if replay:  # a replay of a decode graph: its copy waits for an entry
+            graph.launched()  # type: ignore[union-attr]
         try:
-            self._capture(batch, output)
-        except Exception as exc:  # capture must never take serving down: say why, stop capturing, serve on
-            self._fail(exc)
+            if not self.enabled or not batch.reqs or kwargs.get("is_verify"):
+                return
+            output = getattr(result, "logits_output", None)
+            if output is None or (not decode and mode.is_idle()):
+                return
+            self.served = True
+            try:
+                if decode:
+                    self._decode(batch, output)
+                else:
+                    self._extend(batch, output)
+            except Exception as exc:  # capture must never take serving down: say why, stop capturing, serve on
+                self._fail(exc)
+        finally:
+            if replay:
+                graph.settle()  # type: ignore[union-attr]
 
     def after_batch_result(self, result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
         if self.producer is None or not self.enabled:
@@ -478,52 +482,63 @@ class SGLangCapture:
 
     # --- work ---------------------------------------------------------------------------
 
-    def _capture(self, batch: Any, output: Any) -> None:
-        """Copy the batch's rows into the ring now (host metadata only); announce them later."""
-        aux, last = output.hidden_states, output.last_hidden_states
+    def _states(self, output: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """The producer (checked against SGLang's first output) and the forward's states: the aux layers side by
+        side (``[N, layers * hidden]``) and the last layer; one write puts both into the slot."""
+        aux = output.hidden_states
         if aux is None:
             raise RuntimeError(
                 "SGLang returned no aux hidden states: start it with " + " ".join(server_args()) + " (hscapture serve "
                 "and hscapture extract --engine sglang add them)"
             )
-        producer = self.producer if self.checked else self._check_first_output(aux, last)
-        # The aux layers side by side ([N, layers * hidden]) and the last layer: one launch writes both into the slot.
-        states = (aux, last) if self.settings.capture_last else (aux,)
-        self.served = True
-        if batch.forward_mode.is_decode():  # the hot path: no per-step objects beyond what the producer keeps
+        producer = self.producer if self.checked else self._check_first_output(aux, output.last_hidden_states)
+        return producer, (aux, output.last_hidden_states) if self.settings.capture_last else (aux,)
+
+    def _decode(self, batch: Any, output: Any) -> None:
+        """A decode step's rows into the ring now (the hot path: nothing per step beyond what the producer
+        keeps); the same requests as the step before join its decode run."""
+        producer, states = self._states(output)
+        plan = self._plan
+        if plan is None or batch.reqs != plan.reqs:  # same requests: an identity check of each, in C
             plan = self._decode_plan(batch)
-            if aux.shape[0] != len(plan.reqs):
-                raise self._mismatch(batch, len(plan.reqs), aux)
-            self._decoded = seq_lens = batch.seq_lens_cpu
-            run = self._run
-            if (
-                run is not None
-                and run.plan is plan
-                and len(run.seq_lens) < self.run_steps
-                and producer.extend_step(run.step, states, plan.rids, plan.ones)
-            ):
-                run.seq_lens.append(seq_lens)
-                return
-            if len(self.pending) >= MAX_PENDING:
-                raise self._backlog()
-            step = producer.write_step(states, plan.rids, plan.ones, extendable=True)
-            self._run = _DecodeRun(step, plan, seq_lens) if step.written else None
-            if self._run is not None:
-                self.pending.append(self._run)
-        else:
-            self._run = None  # decode steps after this forward start a run of their own
-            rows = self._rows(batch)
-            if aux.shape[0] != rows.total:
-                raise self._mismatch(batch, rows.total, aux)
-            if not rows.rids:
-                return
-            if len(self.pending) >= MAX_PENDING:
-                raise self._backlog()
-            # Pageable memory, non_blocking: the driver stages the few bytes at once, without a sync.
-            row_index = None if rows.keep is None else torch.from_numpy(rows.keep).to(aux.device, non_blocking=True)
-            step = producer.write_step(states, rows.rids, rows.counts, row_index)
-            if step.written:
-                self.pending.append(_Pending(step, rows.reqs, rows.firsts, rows.counts, rows.positions))
+        seq_lens = batch.seq_lens_cpu
+        if seq_lens is None:
+            raise RuntimeError("SGLang gave a decode batch without seq_lens_cpu; cannot place its rows")
+        if states[0].shape[0] != len(plan.reqs):
+            raise self._mismatch(batch, len(plan.reqs), states[0])
+        self._decoded = seq_lens
+        run = self._run
+        if (
+            run is not None
+            and run.plan is plan
+            and len(run.seq_lens) < self.run_steps
+            and producer.extend_step(run.step, states, plan.rids, plan.ones)
+        ):
+            run.seq_lens.append(seq_lens)
+            return
+        if len(self.pending) >= MAX_PENDING:
+            raise self._backlog()
+        step = producer.write_step(states, plan.rids, plan.ones, extendable=True)
+        self._run = _DecodeRun(step, plan, seq_lens) if step.written else None
+        if self._run is not None:
+            self.pending.append(self._run)
+
+    def _extend(self, batch: Any, output: Any) -> None:
+        """An extend or mixed forward's rows into the ring now (host metadata only); announced later."""
+        producer, states = self._states(output)
+        self._run = None  # decode steps after this forward start a run of their own
+        rows = self._rows(batch)
+        if states[0].shape[0] != rows.total:
+            raise self._mismatch(batch, rows.total, states[0])
+        if not rows.rids:
+            return
+        if len(self.pending) >= MAX_PENDING:
+            raise self._backlog()
+        # Pageable memory, non_blocking: the driver stages the few bytes at once, without a sync.
+        row_index = None if rows.keep is None else torch.from_numpy(rows.keep).to(states[0].device, non_blocking=True)
+        step = producer.write_step(states, rows.rids, rows.counts, row_index)
+        if step.written:
+            self.pending.append(_Pending(step, rows.reqs, rows.firsts, rows.counts, rows.positions))
 
     @staticmethod
     def _mismatch(batch: Any, total: int, aux: torch.Tensor) -> RuntimeError:
@@ -541,13 +556,10 @@ class SGLangCapture:
         )
 
     def _decode_plan(self, batch: Any) -> _DecodePlan:
-        """A decode batch's requests: one fresh row per request at ``seq_lens_cpu - 1``, nothing ever skipped."""
-        if batch.seq_lens_cpu is None:
-            raise RuntimeError("SGLang gave a decode batch without seq_lens_cpu; cannot place its rows")
-        plan = self._plan
-        if plan is None or batch.reqs != plan.reqs:  # same requests: an identity check of each, in C
-            self._fold()
-            plan = self._plan = _DecodePlan.of(batch.reqs)
+        """A decode batch of other requests than the last one's: one fresh row per request at ``seq_lens_cpu - 1``,
+        nothing ever skipped."""
+        self._fold()
+        plan = self._plan = _DecodePlan.of(batch.reqs)
         return plan
 
     def _fold(self) -> None:
