@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pwd
 import shutil
@@ -18,6 +19,20 @@ import pytest
 from hscapture.consumer import consume_command
 from hscapture.producer import Producer
 from tests.workload import Workload, make_config, make_producer
+
+
+def cli_refusal(*args: str | Path) -> tuple[int, str]:
+    """``hscapture ARGS`` run in this process, for a command line refused before any work starts (no process
+    start, no torch import to wait for): its exit status and what it wrote to stderr."""
+    from hscapture import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            status = cli.main([str(a) for a in args])
+        except SystemExit as exc:  # argparse's own refusals
+            status = exc.code if isinstance(exc.code, int) else 1
+    return status, err.getvalue()
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from hscapture.data import Sample, load_samples, pad_batch, padded_length, plan_
 from hscapture.extract import ExtractOptions, extract
 from hscapture.integrations.hf import AttentionKernels, decoder, eagle3_default_layers, forward_batch
 from hscapture.tiny import write_demo_jsonl
+from tests.conftest import cli_refusal
 
 BATCH_TOKENS = 1024
 PAD_TO = ExtractOptions.pad_to_multiple  # the default: the store must hold the rows of the batches extract ran
@@ -288,9 +289,8 @@ def test_cli_bad_configuration_fails_fast_with_clear_messages(tiny_model: Path, 
     ]
     for argv, *expected in cases:
         started = time.monotonic()
-        process = run_cli(*argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _, stderr = process.communicate(timeout=60)
-        assert process.returncode == 2, (argv, stderr)
+        status, stderr = cli_refusal(*argv)
+        assert status == 2, (argv, stderr)
         for text in expected:
             assert text in stderr, (argv, stderr)
         assert time.monotonic() - started < 30

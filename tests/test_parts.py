@@ -39,6 +39,7 @@ from hscapture.extract import ExtractOptions, extract
 from hscapture.partition import Part, coverage, key_hash
 from hscapture.store.collection import verify_set
 from hscapture.tiny import write_demo_jsonl
+from tests.conftest import cli_refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = 200
@@ -358,8 +359,8 @@ def test_bad_splits_and_layouts_fail_fast(tiny_model: Path, equal_data: Path, un
     if torch.cuda.is_available():  # on a GPU host: one GPU says "1 GPUs visible", two or more run
         cases = [case for case in cases if "no CUDA device" not in case[1]]
     for argv, expected in cases:
-        done = finished(*argv, timeout=60)
-        assert done.returncode == 2 and expected in done.stderr, (argv, done.stderr)
+        status, stderr = cli_refusal(*argv)
+        assert status == 2 and expected in stderr, (argv, stderr)
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
 
 

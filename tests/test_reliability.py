@@ -41,25 +41,27 @@ def serve(producer: Producer, workload: Workload, seconds: float, stalls: list[f
 
 
 @pytest.mark.parametrize(
-    ("device", "share"),
+    ("device", "share", "kills"),
     [
-        ("cpu", 0.0),
-        pytest.param("cpu", 0.5, id="cpu-prefix-cache"),  # half the requests take a finished one's prefix
+        ("cpu", 0.0, 20),
+        # Half the requests take a finished one's prefix; ten kills (a consumer start each: the suite's time).
+        pytest.param("cpu", 0.5, 10, id="cpu-prefix-cache"),
         pytest.param(
             "cuda",
             0.0,
+            20,
             marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")],
         ),
     ],
 )
-def test_consumer_killed_twenty_times_never_stalls_serving_and_the_store_never_lies(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str, share: float
+def test_consumer_killed_again_and_again_never_stalls_serving_and_the_store_never_lies(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, device: str, share: float, kills: int
 ) -> None:
     rng = random.Random(11)
     producer = make_producer(make_config(endpoint, policy="drop", slots=8, rows_per_slot=32, device=device))
     workload = Workload(seed=11, device=device, share=share)
     stalls: list[float] = []
-    for trial in range(20):
+    for trial in range(kills):
         consumer = start_consumer(tmp_path, endpoint, "--flush-s", "0.1", "--shard-bytes", "16000")
         deadline = time.monotonic() + 60
         while producer.counters.attaches < trial + 1:  # serving goes on while the new one starts up
@@ -71,13 +73,13 @@ def test_consumer_killed_twenty_times_never_stalls_serving_and_the_store_never_l
         serve(producer, workload, 0.05, stalls)
     final = start_consumer(tmp_path, endpoint, "--exit-on-eos")
     deadline = time.monotonic() + 60
-    while producer.counters.attaches < 21:
+    while producer.counters.attaches < kills + 1:
         assert time.monotonic() < deadline, "the last consumer never attached"
         serve(producer, workload, 0.05, stalls)
     serve(producer, workload, 0.5, stalls)
     counters = producer.close()
     assert final.wait(30) == 0
-    assert counters.attaches == 21
+    assert counters.attaches == kills + 1
 
     records = check_store(tmp_path, [workload])  # every stored row is the row produced there
     assert records, "nothing was captured"
@@ -96,12 +98,12 @@ def test_consumer_killed_twenty_times_never_stalls_serving_and_the_store_never_l
     assert report.ok, report.to_dict()
     ends = [run["end"] for run in open_store(tmp_path).metadata()["runs"]]
     assert all(end is not None for end in ends), "a run was left open"
-    assert sum(end["reason"] == "consumer died" for end in ends) == 20
+    assert sum(end["reason"] == "consumer died" for end in ends) == kills
     stored = sum(r["rows"] for r in records.values())
     longest = max(stalls)
     p99 = sorted(stalls)[int(len(stalls) * 0.99)]
     print(
-        f"\nRELIABILITY consumer SIGKILL ({device}, prefix-cache share {share}): 20 trials, {len(stalls)} steps, "
+        f"\nRELIABILITY consumer SIGKILL ({device}, prefix-cache share {share}): {kills} trials, {len(stalls)} steps, "
         f"rows produced {workload.total_rows}, "
         f"announced {counters.rows_captured}, dropped {counters.rows_dropped} (counted), stored {stored}, "
         f"lost in killed consumers' memory {counters.rows_captured - stored}, step p99 {p99 * 1000:.2f} ms, "
