@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import pwd
 import shutil
@@ -26,12 +27,17 @@ def cli_refusal(*args: str | Path) -> tuple[int, str]:
     start, no torch import to wait for): its exit status and what it wrote to stderr."""
     from hscapture import cli
 
+    root = logging.getLogger()  # the command line configures logging: left as it was for the tests after
+    handlers, level = root.handlers[:], root.level
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
             status = cli.main([str(a) for a in args])
         except SystemExit as exc:  # argparse's own refusals
             status = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
     return status, err.getvalue()
 
 
