@@ -92,17 +92,9 @@ GOAL_VARIANT = "graph"
 class SyncCapture(SGLangCapture):
     """The forward hook as it was: token ids read from the device at once, rows announced at once."""
 
-    def _decode(self, batch: Any, output: Any) -> None:
-        self._capture_now(batch, output)
-
-    def _extend(self, batch: Any, output: Any) -> None:
-        self._capture_now(batch, output)
-
     def _capture_now(self, batch: Any, output: Any) -> None:
         if batch.forward_mode.is_decode():
-            plan = self._plan
-            if plan is None or batch.reqs != plan.reqs:
-                plan = self._decode_plan(batch)
+            plan = self._decode_plan(batch)
             self._decoded = batch.seq_lens_cpu
             rids, counts, total = plan.rids, plan.ones, len(plan.reqs)
             positions = np.subtract(batch.seq_lens_cpu.numpy(), 1, dtype=np.int64)
@@ -113,6 +105,8 @@ class SyncCapture(SGLangCapture):
         states = [*aux.view(total, -1, hidden).unbind(1), output.last_hidden_states]
         tokens = batch.input_ids.cpu()  # what Producer.capture_step did with a device tensor: waits
         self.producer.capture_step(states, rids, counts, positions, tokens)
+
+    _decode = _extend = _capture_now
 
 
 class FloorCapture(SGLangCapture):

@@ -498,15 +498,10 @@ class SGLangCapture:
         """A decode step's rows into the ring now (the hot path: nothing per step beyond what the producer
         keeps); the same requests as the step before join its decode run."""
         producer, states = self._states(output)
-        plan = self._plan
-        if plan is None or batch.reqs != plan.reqs:  # same requests: an identity check of each, in C
-            plan = self._decode_plan(batch)
-        seq_lens = batch.seq_lens_cpu
-        if seq_lens is None:
-            raise RuntimeError("SGLang gave a decode batch without seq_lens_cpu; cannot place its rows")
+        plan = self._decode_plan(batch)
         if states[0].shape[0] != len(plan.reqs):
             raise self._mismatch(batch, len(plan.reqs), states[0])
-        self._decoded = seq_lens
+        self._decoded = seq_lens = batch.seq_lens_cpu
         run = self._run
         if (
             run is not None
@@ -556,10 +551,13 @@ class SGLangCapture:
         )
 
     def _decode_plan(self, batch: Any) -> _DecodePlan:
-        """A decode batch of other requests than the last one's: one fresh row per request at ``seq_lens_cpu - 1``,
-        nothing ever skipped."""
-        self._fold()
-        plan = self._plan = _DecodePlan.of(batch.reqs)
+        """A decode batch's requests: one fresh row per request at ``seq_lens_cpu - 1``, nothing ever skipped."""
+        if batch.seq_lens_cpu is None:
+            raise RuntimeError("SGLang gave a decode batch without seq_lens_cpu; cannot place its rows")
+        plan = self._plan
+        if plan is None or batch.reqs != plan.reqs:  # same requests: an identity check of each, in C
+            self._fold()
+            plan = self._plan = _DecodePlan.of(batch.reqs)
         return plan
 
     def _fold(self) -> None:
