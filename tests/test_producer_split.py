@@ -62,7 +62,7 @@ def test_decode_steps_extend_one_slot_and_are_stored_as_if_written_one_by_one(
     assert not producer.extend_step(run, steps[2], *owners)  # 9 rows do not fit 8
     alone = producer.write_step(steps[2], *owners)
     assert not producer.extend_step(alone, steps[2], *owners)  # not written extendable
-    assert run.rows == run.written == 6 and list(run.request_ids) == ["a", "b", "c"] * 2
+    assert run.rows == run.written == 6 and list(run.owners()[0]) == ["a", "b", "c"] * 2
     for state in (*steps[0], *steps[1]):
         state.zero_()  # the engine overwrites its outputs: the ring holds the rows
     assert producer.announce_step(run, [0, 0, 0, 1, 1, 1], [40, 41, 42, 50, 51, 52]) == 6

@@ -499,10 +499,10 @@ class SGLangCapture:
         keeps); the same requests as the step before join its decode run."""
         producer, states = self._states(output)
         plan = self._decode_plan(batch)
-        if states[0].shape[0] != len(plan.reqs):
-            raise self._mismatch(batch, len(plan.reqs), states[0])
         self._decoded = seq_lens = batch.seq_lens_cpu
         run = self._run
+        # The producer checks a step that joins the run (a graph replay's by its owners alone: the graph's copy
+        # takes its own outputs); the rest here, with the batch in the message.
         if (
             run is not None
             and run.plan is plan
@@ -511,6 +511,8 @@ class SGLangCapture:
         ):
             run.seq_lens.append(seq_lens)
             return
+        if states[0].shape[0] != len(plan.reqs):
+            raise self._mismatch(batch, len(plan.reqs), states[0])
         if len(self.pending) >= MAX_PENDING:
             raise self._backlog()
         step = producer.write_step(states, plan.rids, plan.ones, extendable=True)

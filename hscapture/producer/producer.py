@@ -121,8 +121,8 @@ class WrittenStep:
     rows: int
     #: Kept rows copied into the ring: the first ``written``; the rest were dropped and counted.
     written: int
+    #: The first step's owners: its requests, and the consecutive kept rows each owns.
     request_ids: Sequence[str]
-    #: Consecutive kept rows each of ``request_ids`` owns.
     request_rows: Sequence[int]
     #: ``(slot, first kept row, rows)`` of each slot written, in row order; emptied when announced.
     slots: list[tuple[int, int, int]]
@@ -131,6 +131,21 @@ class WrittenStep:
     row_stride: int = 0
     #: The stream its copies were queued on, when its slot's event waits for its announcement (``row_stride``).
     stream: int = 0
+    #: Its rows were written by the copy inside a graph replay (:class:`GraphRows`): that graph's own outputs.
+    replayed: bool = False
+    #: The owners of each later step's rows (:meth:`Producer.extend_step`), joined to the first's when announced:
+    #: a decode step adds two references here, not one per request.
+    joined: list[tuple[Sequence[str], Sequence[int]]] | None = None
+
+    def owners(self) -> tuple[Sequence[str], Sequence[int]]:
+        """Request ids and rows of every step it holds, in row order."""
+        if not self.joined:
+            return self.request_ids, self.request_rows
+        ids, rows = list(self.request_ids), list(self.request_rows)
+        for step_ids, step_rows in self.joined:
+            ids += step_ids
+            rows += step_rows
+        return ids, rows
 
 
 class _Held(NamedTuple):
@@ -370,21 +385,27 @@ class Producer:
         self._check_open()
         if len(step.slots) != 1 or not step.row_stride or self._current_stream() != step.stream:
             return False
-        rows, spans = self._check_step(states, request_ids, request_rows, None)
+        graph = self._graph_rows
+        # A replay after one that wrote the step's first rows: its copy takes the graph's own outputs, which were
+        # checked when the copy was captured, so the same owners as the last step need no look at the states.
+        replayed = step.replayed and graph.pending  # type: ignore[union-attr]
+        rows, spans = self._check_step(states, request_ids, request_rows, None, replayed)
         slot, _, count = step.slots[0]
         if count + rows > step.row_stride:
             return False
         self.counters.steps += 1
         self._serve_when_due()
-        self._write(slot, states, spans, None, 0, rows, count, step.row_stride)
+        if replayed:
+            graph.plan(slot, 0, rows, count, step.row_stride)  # type: ignore[union-attr]
+        else:
+            self._write(slot, states, spans, None, 0, rows, count, step.row_stride)
         step.slots[0] = (slot, 0, count + rows)
         self._written[slot] = count + rows
         step.rows += rows
         step.written += rows
-        if type(step.request_ids) is not list:  # the first step's (maybe shared) tuples: copied once
-            step.request_ids, step.request_rows = list(step.request_ids), list(step.request_rows)
-        step.request_ids.extend(request_ids)  # type: ignore[attr-defined]
-        step.request_rows.extend(request_rows)  # type: ignore[attr-defined]
+        if step.joined is None:
+            step.joined = []
+        step.joined.append((request_ids, request_rows))
         return True
 
     def announce_step(
@@ -433,27 +454,31 @@ class Producer:
         self._serve_when_due()
         slots: list[tuple[int, int, int]] = []
         begin = 0
+        replayed = False
         while begin < rows:
             count = min(self._rows_per_slot, rows - begin)
             slot = self._acquire_slot()
             if slot is None:
                 self._count_drop(request_ids, request_rows, begin, rows)
                 break
-            self._write(slot, states, spans, row_index, begin, count, 0, row_stride)
+            replayed = self._write(slot, states, spans, row_index, begin, count, 0, row_stride)
             if not row_stride:  # else when announced, after the rows of the steps it takes (extend_step)
                 self.ring.mark_written(slot)
             self._written[slot] = count
             slots.append((slot, begin, count))
             begin += count
         stream = self._current_stream() if row_stride else 0
-        return WrittenStep(self.counters.steps, rows, begin, request_ids, request_rows, slots, row_stride, stream)
+        return WrittenStep(
+            self.counters.steps, rows, begin, request_ids, request_rows, slots, row_stride, stream, replayed
+        )
 
     def _announce_step(self, step: WrittenStep, positions: np.ndarray, token_ids: np.ndarray) -> int:
+        request_ids, request_rows = step.owners()
         for slot, begin, count in step.slots:
             if step.row_stride:
                 self.ring.mark_written(slot, step.stream)
             end = begin + count
-            ids, counts = _spans(step.request_ids, step.request_rows, begin, end, step.rows)  # a whole step: as is
+            ids, counts = _spans(request_ids, request_rows, begin, end, step.rows)  # a whole step: as is
             self._hold_chunk(
                 slot, count, step.row_stride, ids, counts, positions[begin:end], token_ids[begin:end], step.step
             )
@@ -470,7 +495,7 @@ class Producer:
             del self._written[slot]
             self._free.appendleft(slot)
         if slots:
-            self._count_drop(step.request_ids, step.request_rows, 0, step.written)
+            self._count_drop(*step.owners(), 0, step.written)
 
     def announce_written(
         self,
@@ -718,22 +743,21 @@ class Producer:
         request_ids: Sequence[str],
         request_rows: Sequence[int],
         row_index: torch.Tensor | None,
+        replayed: bool = False,
     ) -> tuple[int, tuple[int, ...]]:
         """Check a step against the plan; returns its kept rows and how many tensors each state holds.
 
         A decode batch that did not change passes the same owners' tuples and states of the same shapes step
-        after step: that is checked once (``_checked``), then only compared.
+        after step: that is checked once (``_checked``), then only compared; ``replayed`` rows (a graph replay's
+        copy of its own outputs) need only the same owners.
         """
-        signature = [(state.shape, state.dtype) for state in states]
         checked = self._checked
-        if (
-            checked is not None
-            and row_index is None
-            and request_ids is checked[0]
-            and request_rows is checked[1]
-            and signature == checked[2]
-        ):
-            return checked[3], checked[4]
+        same = checked is not None and row_index is None and request_ids is checked[0] and request_rows is checked[1]
+        if same and replayed:
+            return checked[3], checked[4]  # type: ignore[index]
+        signature = [(state.shape, state.dtype) for state in states]
+        if same and signature == checked[2]:  # type: ignore[index]
+            return checked[3], checked[4]  # type: ignore[index]
         config = self.config
         hidden, dtype = config.hidden_size, self._dtype
         rows_in = states[0].shape[0] if states else 0
@@ -803,9 +827,10 @@ class Producer:
         count: int,
         first: int = 0,
         row_stride: int = 0,
-    ) -> None:
+    ) -> bool:
         """Copy rows ``[begin, begin + count)`` of the step into ``slot``: planes of ``count`` rows, or (a whole
-        step, ``row_stride``) rows ``[first, first + count)`` of planes of ``row_stride`` rows."""
+        step, ``row_stride``) rows ``[first, first + count)`` of planes of ``row_stride`` rows. True when the
+        copy inside the graph replay just launched writes them."""
         graph = self._graph_rows
         if (
             graph is not None
@@ -813,25 +838,25 @@ class Producer:
             and row_index is None
             and graph.write(slot, states, spans, begin, count, first, row_stride or count)
         ):
-            return
+            return True
         kernel = self._row_kernel
         if (
             kernel is not None
             and row_index is None
             and kernel.write(slot, states, spans, begin, count, first, row_stride or count)
         ):
-            return
+            return False
         if row_stride:  # the slot's views are made once; a step takes rows of them (one slice)
             planes, targets = self._targets(slot, row_stride, spans)
             if targets is None:
                 torch.stack(states, out=planes[:, first : first + count])
-                return
+                return False
             shapes = self._shapes.get((count, spans))
             if shapes is None:
                 shapes = self._shapes[count, spans] = tuple((count, k, self.config.hidden_size) for k in spans)
             by_row = targets[0][first : first + count]
             torch.cat([state.reshape(shape) for state, shape in zip(states, shapes)], dim=1, out=by_row)
-            return
+            return False
         planes, targets = self._targets(slot, count, spans)
         if row_index is not None:
             index, hidden, t = row_index[begin : begin + count], self.config.hidden_size, 0
@@ -839,15 +864,16 @@ class Producer:
                 for j in range(k):
                     torch.index_select(state[:, j * hidden : (j + 1) * hidden], 0, index, out=planes[t])
                     t += 1
-            return
+            return False
         whole = begin == 0 and count == states[0].shape[0]  # the usual step: no slicing
         parts = states if whole else [state[begin : begin + count] for state in states]
         if targets is None:  # separate tensors: one launch for all, not one copy each
             torch.stack(parts, out=planes)
-            return
+            return False
         # Side-by-side states: one launch for all too, each state's rows as [count, k, hidden] planes.
         by_row, shapes = targets
         torch.cat([part.reshape(shape) for part, shape in zip(parts, shapes)], dim=1, out=by_row)
+        return False
 
     def _targets(self, slot: int, count: int, spans: tuple[int, ...]) -> tuple[torch.Tensor, _Targets | None]:
         """Views of ``slot`` for ``count`` rows, made once per shape: every tensor's plane

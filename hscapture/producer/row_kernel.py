@@ -245,6 +245,8 @@ class GraphRows:
         self._sources: set[int] = set()
         #: A replay of such a graph was launched and has no entry yet.
         self.pending = False
+        #: :meth:`off` was called (the host's copy of the off word: a step reads no mapped memory).
+        self._off = False
 
     @classmethod
     def load(
@@ -333,7 +335,7 @@ class GraphRows:
     def launched(self) -> None:
         """The engine launched a replay of a graph holding the copy: its rows need an entry (:meth:`write`, else
         :meth:`settle`)."""
-        if self._sources and not self._control[0]:
+        if self._sources and not self._off:
             self.pending = True
 
     def write(
@@ -350,11 +352,16 @@ class GraphRows:
         nothing, when no replay waits or ``states`` are not its outputs)."""
         if not self.pending or states[0].data_ptr() not in self._sources:
             return False
+        self.plan(slot, begin, count, first, plane_rows)
+        return True
+
+    def plan(self, slot: int, begin: int, count: int, first: int, plane_rows: int) -> None:
+        """:meth:`write` without the look at the states, for a replay whose rows are known to be a graph's holding
+        the copy (the producer's next step of the requests whose rows :meth:`write` took)."""
         self.pending = False
         hidden_bytes = self._hidden_bytes
         destination = self._base + slot * self._slot_bytes + first * hidden_bytes
         self._plan(destination, plane_rows * hidden_bytes >> 4, begin, count)
-        return True
 
     def settle(self) -> None:
         """After the forward's hook: a replay whose rows were not planned copies none."""
@@ -365,6 +372,7 @@ class GraphRows:
     def off(self) -> None:
         """Every copy returns at once from now on (the ring is about to be freed)."""
         self.pending = False
+        self._off = True
         self._control[0] = 1
 
     def _plan(self, destination: int, plane: int, begin: int, rows: int) -> None:
