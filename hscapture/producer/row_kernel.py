@@ -245,7 +245,8 @@ class GraphRows:
         self._sources: set[int] = set()
         #: A replay of such a graph was launched and has no entry yet.
         self.pending = False
-        #: :meth:`off` was called (the host's copy of the off word: a step reads no mapped memory).
+        #: The host's copy of the off word (:meth:`off`, or a fault :attr:`failed` read): a step reads no mapped
+        #: memory to learn it.
         self._off = False
 
     @classmethod
@@ -274,7 +275,10 @@ class GraphRows:
     @property
     def failed(self) -> bool:
         """A replay's copy found no plan entry in time (it copied nothing; every copy is off)."""
-        return bool(self._control[1])
+        if self._control[1]:
+            self._off = True  # that copy set the off word too: no later replay is owed an entry
+            return True
+        return False
 
     def capture(self, states: Sequence[torch.Tensor]) -> None:
         """Inside the engine's graph capture, after the forward: queue the copy of the rows of ``states`` (the
