@@ -49,7 +49,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
@@ -135,7 +135,7 @@ class WrittenStep:
     replayed: bool = False
     #: The owners of each later step's rows (:meth:`Producer.extend_step`), joined to the first's when announced:
     #: a decode step adds two references here, not one per request.
-    joined: list[tuple[Sequence[str], Sequence[int]]] | None = None
+    joined: list[tuple[Sequence[str], Sequence[int]]] = field(default_factory=list)
 
     def owners(self) -> tuple[Sequence[str], Sequence[int]]:
         """Request ids and rows of every step it holds, in row order."""
@@ -403,8 +403,6 @@ class Producer:
         self._written[slot] = count + rows
         step.rows += rows
         step.written += rows
-        if step.joined is None:
-            step.joined = []
         step.joined.append((request_ids, request_rows))
         return True
 
