@@ -42,15 +42,27 @@ def default_endpoint() -> str:
     return f"ipc:///tmp/hscapture-{os.getuid()}/default"
 
 
-def default_writer_threads() -> int:
-    """Shard writer threads: 2, so one shard is checksummed and handed to the kernel while the other reaches the disk.
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity, which a container's cpuset narrows; all of them where
+    the platform does not say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    Measured on the H200 host's disk (ext4, ``benchmarks/run.py store --consumer-args
-    '--writer-threads N'``, 4 GiB of bf16 rows): 1 thread wrote at 0.87 of a raw sequential write +
-    fsync, 2 at 1.10, 4 at 0.80, 8 at 0.65; more shards written at once interleave on the disk and
-    slow every one of them. One thread checksums and copies at 1.5-3 GB/s.
+
+def default_writer_threads(direct: bool) -> int:
+    """Shard writer threads for a store whose row planes go out with O_DIRECT (``direct``) or not.
+
+    Through the page cache, 2: one shard is checksummed and handed to the kernel while the other
+    reaches the disk. Measured on the H200 host's disk (ext4, ``benchmarks/run.py store
+    --consumer-args '--writer-threads N'``, 4 GiB of bf16 rows): 1 thread wrote at 0.87 of a raw
+    sequential write + fsync, 2 at 1.10, 4 at 0.80, 8 at 0.65; more shards written at once
+    interleave in the cache and on the disk and slow every one of them.
+
+    With O_DIRECT, 4: each write waits for the disk and its thread idles there, so more of them keep
+    the disk busy. On the 2-core CPU host (``--compare-consumer-args '--writer-threads 4'``, 2 GiB per
+    repeat, five pairs side by side) 4 threads stored bf16 in 1.23-1.45 s against 1.53-1.86 s with 2,
+    fp8 in 1.00-1.26 s against 0.99-1.45 s.
     """
-    return 2
+    return 4 if direct else 2
 
 
 def store_dtype_name(value: str | None, field_name: str = "store_dtype") -> str | None:
@@ -269,7 +281,8 @@ class ConsumerConfig:
     endpoint: str = field(default_factory=default_endpoint)
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
-    #: Threads writing shards to disk in parallel; by default 4 (2-4 by cores).
+    #: Threads writing shards to disk in parallel; by default 4 where the row planes go out with
+    #: O_DIRECT (each write waits for the disk), else 2.
     writer_threads: int | None = None
     #: Shard buffers (``shard_bytes`` of host memory each, pinned for a CUDA ring); by default writer threads + 2.
     shard_buffers: int | None = None
@@ -310,6 +323,9 @@ class ConsumerConfig:
     #: by the writer threads for a host ring); unset stores them as captured (or as the existing
     #: store does).
     store_dtype: str | None = field(default=None, metadata=flag(choices=sorted(STORE_DTYPES)))
+    #: Threads quantizing a host ring's rows to fp8 at once, one tensor each; by default one per
+    #: captured tensor, at most half the cores (1: all on the consumer's own thread).
+    quantize_threads: int | None = None
     #: Let this group read the store (directory setgid 2750, files 0640); by default the store is
     #: private to you (0700, 0600), or shared as an existing store already is.
     share_group: str | None = None
@@ -329,11 +345,12 @@ class ConsumerConfig:
         _check_int("writeback_bytes", self.writeback_bytes, 0)
         if self.direct_io not in DIRECT_IO:
             raise ValueError(f"direct_io: {self.direct_io!r}; one of {', '.join(DIRECT_IO)}")
-        if self.writer_threads is None:
-            self.writer_threads = default_writer_threads()
-        _check_int("writer_threads", self.writer_threads, 1, 64)
+        if self.writer_threads is not None:
+            _check_int("writer_threads", self.writer_threads, 1, 64)
         if self.shard_buffers is not None:
             _check_int("shard_buffers", self.shard_buffers, 2, 256)
+        if self.quantize_threads is not None:
+            _check_int("quantize_threads", self.quantize_threads, 1, 64)
         _check_int("heartbeat_ms", self.heartbeat_ms, 1, 60_000)
         if self.flush_s <= 0:
             raise ValueError(f"flush_s: must be > 0 seconds, got {self.flush_s}")

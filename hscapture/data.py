@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import multiprocessing
-import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from hscapture.config import usable_cores
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -426,7 +427,7 @@ def tokenize_workers(path: Path | str, jobs: int = 1) -> int:
     """Tokenizing processes worth starting for a data file: one per core this job may use (its share
     when ``jobs`` run on the host, at most 16); 1 (none started) for a file under 1 MiB or a share
     under 4 cores, where starting them (each imports torch and transformers) costs what they save."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     workers = min(16, cores // max(1, jobs))
     return workers if workers >= 4 and Path(path).stat().st_size >= 1 << 20 else 1
 

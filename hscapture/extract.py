@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
-from hscapture.config import STORE_DTYPES, MiB, ensure_writable_dir, flag, store_dtype_name
+from hscapture.config import STORE_DTYPES, MiB, ensure_writable_dir, flag, store_dtype_name, usable_cores
 from hscapture.consumer import consume_command
 from hscapture.data import Sample, check_batching, keyed_records, load_samples, plan_batches, tokenize_workers
 from hscapture.errors import HSCaptureError
@@ -439,7 +439,7 @@ def job_environments(options: ExtractOptions, jobs: int) -> list[dict[str, str]]
     if jobs == 1 or (not options.device.startswith("cuda") and "OMP_NUM_THREADS" in os.environ):
         return [{} for _ in range(jobs)]
     if not options.device.startswith("cuda"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
         return [{"OMP_NUM_THREADS": str(max(1, cores // jobs))} for _ in range(jobs)]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:

@@ -371,6 +371,35 @@ def test_reserve_without_waiting_says_when_every_buffer_waits_for_commits(
     assert_rows(open_store(tmp_path), "r", request, range(3 * ROWS_PER_SHARD))
 
 
+def test_writer_threads_and_buffers_follow_how_each_run_writes(tmp_path: Path, rng: np.random.Generator) -> None:
+    """Unset, writer threads are sized per run: 4 where the row planes go out with O_DIRECT (each write
+    waits for the disk), 2 through the page cache, with threads + 2 buffers; asked for, they stay."""
+    writer = new_writer(tmp_path / "sized")
+    asked = new_writer(tmp_path / "asked", writer_threads=3, shard_buffers=5)
+    requests = {}
+    for run, direct in enumerate((True, False, True)):
+        for store in (writer, asked):
+            store.direct.use(direct)
+            store.begin_run(*make_layout(run_id=f"run-{run}"))
+        threads = 4 if writer.direct.enabled else 2  # a filesystem refusing O_DIRECT turns it off for good
+        sized = (writer.writer_threads, writer.shard_buffers, writer._buffers_made)
+        assert sized == (threads, threads + 2, threads + 2)
+        assert writer._pool._max_workers == threads  # the pool that writes this run's shards
+        assert (asked.writer_threads, asked.shard_buffers, asked._buffers_made) == (3, 5, 5)
+        key = f"r{run}"
+        requests[key] = make_request(2 * ROWS_PER_SHARD + 3, "float32", rng)
+        for store in (writer, asked):
+            feed = Feed(store, {key: requests[key]})
+            feed.chunk([(key, range(2 * ROWS_PER_SHARD + 3))])
+            feed.finish(key, num_tokens=2 * ROWS_PER_SHARD + 3)
+            store.end_run("done", {})
+    for store in (writer, asked):
+        store.close()
+        found = open_store(store.root)
+        for key, request in requests.items():
+            assert_rows(found, key, request, range(2 * ROWS_PER_SHARD + 3))
+
+
 def test_a_failed_shard_write_lists_the_shards_written_before_it_and_only_their_requests(
     tmp_path: Path, rng: np.random.Generator
 ) -> None:

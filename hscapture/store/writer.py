@@ -48,7 +48,7 @@ from hscapture.store.index import KEPT, IndexLog, rewrite_index
 from hscapture.store.prefixes import PrefixIndex
 from hscapture.store.records import Finish, Request, once, request_record
 from hscapture.store.recovery import recover_open_runs
-from hscapture.store.shards import WRITEBACK_BYTES, DirectIO, ShardBuffer, ShardSpec, new_buffer, write_shard
+from hscapture.store.shards import WRITEBACK_BYTES, DirectIO, ShardBuffer, ShardSpec, new_buffer, touch, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,8 @@ class StoreWriter:
     Args:
         root: the store directory (created; an existing store is appended to).
         shard_bytes: target bytes of one shard (of rows as captured; fp8 files are about half).
-        writer_threads: threads writing shards in parallel (None: :func:`~hscapture.config.default_writer_threads`).
+        writer_threads: threads writing shards in parallel (None: sized for each run by how its row planes
+            go out, :func:`~hscapture.config.default_writer_threads`).
         shard_buffers: shard buffers, each ``shard_bytes`` of host memory (None: writer threads + 2:
             one filling, one waiting for its last copies, the rest being written).
         flush_s: a shard open longer than this is written even if not full, so streaming
@@ -201,14 +202,17 @@ class StoreWriter:
             raise
         #: Rows are stored as fp8 codes with a scale per row (this store's ``store_dtype``).
         self.fp8 = (self._meta or {}).get("store_dtype", self.store_dtype) == FP8_NAME
-        self.writer_threads = writer_threads or default_writer_threads()
-        self.shard_buffers = shard_buffers or self.writer_threads + 2
         self.shard_bytes = shard_bytes
         self.flush_s = flush_s
         self.writeback_bytes = writeback_bytes
         #: Whether row planes go out with O_DIRECT (off after the filesystem refused it), bytes each way.
         self.direct = DirectIO(direct_io)
+        self._threads_asked, self._buffers_asked = writer_threads, shard_buffers
+        self.writer_threads = writer_threads or default_writer_threads(self.direct.enabled)
+        self.shard_buffers = shard_buffers or self.writer_threads + 2
         self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
+        #: The writer threads' row checksums, compiled while no producer is attached yet (~1 s of a core).
+        self._compiled = self._pool.submit(crc_kernel)
         self._free: queue.SimpleQueue[ShardBuffer] = queue.SimpleQueue()
         self._buffers_made = 0
         self._buffers_quantized = False
@@ -308,11 +312,15 @@ class StoreWriter:
                 )
         if allocate is not None:
             self._allocate = allocate
+        self._size_writers()
         if quantized != self._buffers_quantized:  # buffers of the other shape: every one is free between runs
             while not self._free.empty():
                 self._free.get_nowait()
                 self._buffers_made -= 1
             self._buffers_quantized = quantized
+        while self._buffers_made > self.shard_buffers and not self._free.empty():  # fewer writers than before
+            self._free.get_nowait()
+            self._buffers_made -= 1
         self._run = _Run(
             run_id=run_id,
             geometry=geometry,
@@ -322,11 +330,31 @@ class StoreWriter:
         )
         self._index.append([{"type": "run", "run_id": run_id, "time": time.time(), "meta": meta}])
         self._index.flush()  # once per run: the run is on record before its first rows
-        while self._buffers_made < self.shard_buffers:  # allocate (pin) them now, not under the rows
-            self._free.put(self._new_buffer(self._run))
-        crc_kernel()  # compile the writer threads' row checksums now, and their quantizer: not under the rows
+        self._prepare(quantized)
+
+    def _prepare(self, quantized: bool) -> None:
+        """Make the shard buffers missing, and have the writer threads' row checksums (and their quantizer)
+        compiled, now: not under the rows. The buffers are allocated on this thread (pinned memory is pinned
+        where the ring's copies are issued), then touched on the writer threads; the quantizer compiles on this
+        one (a writer thread waiting for the compiler's lock would touch nothing meanwhile)."""
+        run = self._require_run()
+        fresh = [self._new_buffer(run) for _ in range(self.shard_buffers - self._buffers_made)]
+        touched = self._pool.map(touch, fresh)
         if self.fp8 and not quantized:
             host_kernels()
+        for buffer in touched:
+            self._free.put(buffer)
+        self._compiled.result()
+
+    def _size_writers(self) -> None:
+        """Writer threads and shard buffers for the run beginning: as asked, else by how its row planes go
+        out (``direct.use`` may have changed that since the last run; between runs nothing is written)."""
+        threads = self._threads_asked or default_writer_threads(self.direct.enabled)
+        if threads != self.writer_threads:
+            self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hscapture-writer")
+            self.writer_threads = threads
+        self.shard_buffers = self._buffers_asked or threads + 2
 
     def end_run(self, reason: str, counters: dict[str, int]) -> None:
         """Write the open shard, wait for all writes, and close every request of the run.
@@ -533,10 +561,11 @@ class StoreWriter:
         if self._buffers_made < self.shard_buffers or all(f.done() for f in self._writing.values()):
             # Past the limit only when no write could free one: the rest wait for this reservation's
             # commits (rows spanning more shards than there are buffers).
-            return self._new_buffer(run)
+            return touch(self._new_buffer(run))
         return self._free.get()  # every buffer is being written: the disk sets the pace
 
     def _new_buffer(self, run: _Run) -> ShardBuffer:
+        """A buffer for ``run``'s rows, its pages not touched yet."""
         self._buffers_made += 1
         geometry = run.geometry
         plane_row_bytes = geometry.hidden_size if run.quantized else geometry.plane_row_bytes  # codes: a byte each
@@ -682,7 +711,7 @@ class StoreWriter:
 
 
 def _pageable_bytes(nbytes: int) -> np.ndarray:
-    """Pageable host memory (a shard buffer writes every page of it when made)."""
+    """Pageable host memory (touched before rows go in)."""
     return np.empty(nbytes, dtype=np.uint8)
 
 
