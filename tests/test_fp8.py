@@ -326,18 +326,22 @@ def test_rows_handed_in_quantized_make_the_same_files(tmp_path: Path) -> None:
     assert verify_store(stores["handed-in"]).ok
 
 
+@pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_fp8_store_from_a_host_ring_is_quantized_out_of_the_ring(tmp_path: Path, endpoint: str, dtype: str) -> None:
+def test_fp8_store_from_a_host_ring_is_quantized_out_of_the_ring(
+    tmp_path: Path, endpoint: str, dtype: str, threads: int
+) -> None:
     """A real consumer of a host ring quantizes each chunk where it lies (no copy of the slot), in pieces
-    where a chunk spans shards, and stores the torch passes' bits; counts the non-finite values per
-    shard; the store verifies."""
+    where a chunk spans shards, on its own thread or several at once, and stores the torch passes' bits;
+    counts the non-finite values per shard; the store verifies."""
     if host_kernels() is None:
         pytest.skip("no fused kernel: numba missing or disabled")
     rows = special_rows(DTYPES[dtype], tensors=4, n=60, hidden=HIDDEN)  # special rows in the first request
     config = CaptureConfig(layers=(1, 2, 3), hidden_size=HIDDEN, num_layers=4, dtype=dtype, device="cpu",
                            slot_bytes=1 << 16, max_step_rows=32, policy="block", endpoint=endpoint)  # fmt: skip
     row_bytes = 4 * HIDDEN * DTYPES[dtype].itemsize
-    options = ("--exit-on-eos", "--store-dtype", "fp8", "--heartbeat-ms", "50", "--shard-bytes", str(7 * row_bytes))
+    options = ("--exit-on-eos", "--store-dtype", "fp8", "--heartbeat-ms", "50", "--shard-bytes", str(7 * row_bytes),
+               "--quantize-threads", str(threads))  # fmt: skip
     consumer = subprocess.Popen(consume_command(endpoint, tmp_path, *options), stderr=subprocess.PIPE, text=True)
     steps = [(0, 20), (20, 45), (45, 60)]
     try:
@@ -352,7 +356,7 @@ def test_fp8_store_from_a_host_ring_is_quantized_out_of_the_ring(tmp_path: Path,
     finally:
         consumer.kill()
     assert consumer.returncode == 0, stderr
-    assert "fp8 quantized out of the ring" in stderr
+    assert f"fp8 quantized out of the ring on {threads} threads" in stderr
     store = open_store(tmp_path)
     assert store.quantized and sorted(store.keys(complete_only=True)) == ["r0", "r1", "r2"]
     assert len(shard_files(tmp_path)) == 9, "7 rows a shard: chunks of 20 and 25 rows span shards"

@@ -263,6 +263,7 @@ class Consumer:
     def _on_layout(self, layout: protocol.Layout) -> None:
         if layout.consumer_id != self.consumer_id or layout.run_id == self.run_id:
             return  # the answer to another consumer's hello, or a repeat of ours
+        started = time.monotonic()
         _check_layout(layout)
         try:
             ring = open_ring(layout.ring)
@@ -295,7 +296,8 @@ class Consumer:
             if isinstance(ring, CudaRingReader) and on_gpu:
                 self._quantizer = DeviceQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows)
             elif isinstance(ring, HostRingReader) and on_host:
-                self._quantizer = HostQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows)
+                threads = self.config.quantize_threads
+                self._quantizer = HostQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows, threads)
         self._layout = layout
         # A producer we cannot see (another pid namespace) is not watched: never end a live run.
         self._producer_pid = layout.pid if 0 < layout.pid < 2**31 and pid_alive(layout.pid) else 0
@@ -306,13 +308,18 @@ class Consumer:
         self._ring_used_at_chunk = 0
         self.stats.runs += 1
         self.stats.rows_dropped = self._drops.begin_run()
+        ready_s = time.monotonic() - started  # mostly the store's shard buffers, touched before rows go in
         gate = self.config.attach_gate
         while gate is not None and not gate.exists() and not self._stopping:
             time.sleep(0.01)
         self._hello()  # confirms the layout: the producer starts announcing
-        where = {DeviceQuantizer: "; fp8 quantized on the GPU", HostQuantizer: "; fp8 quantized out of the ring"}
-        slots, quantizing = (layout.num_slots, layout.slot_bytes), where.get(type(self._quantizer), "")
-        log.info("attached to run %s (%d slots of %d bytes%s)", layout.run_id, *slots, quantizing)
+        quantizing = ""
+        if isinstance(self._quantizer, DeviceQuantizer):
+            quantizing = "; fp8 quantized on the GPU"
+        elif isinstance(self._quantizer, HostQuantizer):
+            quantizing = f"; fp8 quantized out of the ring on {self._quantizer.threads} threads"
+        slots = (layout.num_slots, layout.slot_bytes)
+        log.info("attached to run %s in %.1f s (%d slots of %d bytes%s)", layout.run_id, ready_s, *slots, quantizing)
 
     def _on_refused(self, message: protocol.Refused) -> None:
         """Another consumer is attached: ask again for longer than the producer takes to count it gone, then stop."""
@@ -525,6 +532,8 @@ class Consumer:
         self._settle(wait=True)
         self._pending.clear()
         self._discard = None
+        if isinstance(self._quantizer, HostQuantizer):
+            self._quantizer.close()
         self._quantizer = None
         if self._ring is not None:
             self._ring.close()
