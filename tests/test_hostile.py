@@ -881,7 +881,7 @@ def test_consumer_rejects_a_layout_naming_a_ring_lookalike(
         fake.first_hello(consumer)
         lookalike = {"backend": "host", "path": str(path), "nbytes": nbytes}
         fake.send(fake.layout(run_id=f"lookalike-{kind}", ring=lookalike))
-        fake.handshake(consumer, timeout_s=5)  # a proper layout after it: taken, so the consumer is alive, not stuck
+        fake.handshake(consumer)  # a proper layout after it: taken, so the consumer is alive, not stuck
         _survives(fake, consumer, fake.run_id)
         assert [r for r in consumer.rejections() if r.startswith("Layout.ring")], consumer.stderr()[-2000:]
         assert f"lookalike-{kind}" not in [run["run_id"] for run in open_store(consumer.out).metadata()["runs"]]
