@@ -194,7 +194,8 @@ def measure(
         "note": "GB/s = 1e9 bytes/s of shard files; store: first capture_step to the run_end line of its index "
         "(every shard fsync'd and indexed); raw: 64 MiB os.write calls then fsync, same directory, same bytes; "
         "raw_direct: the same with O_DIRECT from a page-aligned buffer (the unaligned tail through the cache). "
-        "store_phases, seconds from the first capture_step: first_shard / last_shard = its line in the index, "
+        "store_phases: attach_s = the consumer's start to attached (its shard buffers touched, its kernels "
+        "compiled), then seconds from the first capture_step: first_shard / last_shard = its line in the index, "
         "producer_closed = Producer.close returned (every slot released), run_end; steady_gbps = shard bytes "
         "listed after the first shard line, over the time to the last one",
     }
@@ -232,10 +233,12 @@ def _store_run(
     )  # fmt: skip
     options = ["--exit-on-eos", "--quiet", "--watch-pid", str(os.getpid()), *consumer_args]
     options += ["--store-dtype", store_dtype] if store_dtype else []
+    spawned = time.perf_counter()
     consumer = subprocess.Popen(consume_command(config.endpoint, out, *options), env=gpu_ring.child_env())
     producer = Producer(config, tensor_descriptions=describe(LAYERS, True, NUM_LAYERS), meta={"engine": "store-rate"})
     try:
         gpu_ring.attach(producer, consumer, timeout_s=180.0)
+        attach_s = time.perf_counter() - spawned
         watch.start()
         cpu.start(consumer.pid)
         started = time.perf_counter()
@@ -245,23 +248,27 @@ def _store_run(
             producer.finish_request(f"rate-{step}", "finished", num_tokens=rows)
         producer.close(timeout_s=600.0)
         closed = time.perf_counter() - started
-        wait_run_end(out / "index.jsonl", consumer)
-        seconds = time.perf_counter() - started
+        seconds = shards.wait_run_end(consumer)
         cpu.stop()
         shards.stop()
         watch.stop()
     finally:
         producer.close(timeout_s=10.0)
         gpu_ring.finish_consumer(consumer, timeout_s=120.0)
-    return seconds, sum(p.stat().st_size for p in out.glob("shard-*.safetensors")), shards.phases(closed, seconds)
+    timeline = {"attach_s": round(attach_s, 3), **shards.phases(closed, seconds)}
+    return seconds, sum(p.stat().st_size for p in out.glob("shard-*.safetensors")), timeline
 
 
 class _ShardWatch:
-    """Notes when each shard line reaches the index (polled every 2 ms on a thread of this process)."""
+    """Notes when each shard line and the ``run_end`` line reach the index: a thread of this process
+    looks every 2 ms whether the file grew (one ``stat``) and parses only the new lines, so the
+    watching costs the store's cores next to nothing (reading the index on every look took ~20% of
+    a core on the 2-core host)."""
 
     def __init__(self, index: Path, started: float) -> None:
         self.index, self.started = index, started
         self.listed: list[tuple[float, int]] = []  # (seconds since started, shard bytes)
+        self.run_end: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shard-watch", daemon=True)
         self._thread.start()
@@ -271,21 +278,36 @@ class _ShardWatch:
         while True:
             stopping = self._stop.is_set()  # one last read after the stop: lines written with run_end count too
             try:
+                grew = self.index.stat().st_size > seen
+            except FileNotFoundError:
+                grew = False
+            if grew:
                 with self.index.open("rb") as handle:
                     handle.seek(seen)
                     data = handle.read()
-            except FileNotFoundError:
-                data = b""
-            now = time.perf_counter() - self.started
-            complete = data[: data.rfind(b"\n") + 1]
-            for line in complete.splitlines():
-                record = json.loads(line)
-                if record.get("type") == "shard":
-                    self.listed.append((now, record["bytes"]))
-            seen += len(complete)
+                now = time.perf_counter() - self.started
+                complete = data[: data.rfind(b"\n") + 1]
+                for line in complete.splitlines():
+                    record = json.loads(line)
+                    if record.get("type") == "shard":
+                        self.listed.append((now, record["bytes"]))
+                    elif record.get("type") == "run_end" and self.run_end is None:
+                        self.run_end = now
+                seen += len(complete)
             if stopping:
                 return
             time.sleep(0.002)
+
+    def wait_run_end(self, consumer: subprocess.Popen[Any], timeout_s: float = 600.0) -> float:
+        """Seconds from the start to the index's ``run_end`` line (as this watch saw it)."""
+        deadline = time.monotonic() + timeout_s
+        while self.run_end is None:
+            if consumer.poll() is not None and not self.index.exists():
+                raise RuntimeError(f"consumer exited with {consumer.returncode} and wrote no index at {self.index}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.index}: no run_end line within {timeout_s:.0f} s")
+            time.sleep(0.01)
+        return self.run_end
 
     def stop(self) -> None:
         self._stop.set()
@@ -397,18 +419,6 @@ def _process_cpu_s(pid: int | None) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text()
     utime, stime = stat[stat.rindex(")") + 2 :].split()[11:13]
     return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_run_end(index: Path, consumer: subprocess.Popen[Any], timeout_s: float = 600.0) -> None:
-    """Poll the store's index until the consumer appends the run's ``run_end`` line."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if index.exists() and b'"type":"run_end"' in index.read_bytes()[-65536:]:
-            return
-        if consumer.poll() is not None and not index.exists():
-            raise RuntimeError(f"consumer exited with {consumer.returncode} and wrote no index at {index}")
-        time.sleep(0.002)
-    raise RuntimeError(f"{index}: no run_end line within {timeout_s:.0f} s")
 
 
 def raw_write(
