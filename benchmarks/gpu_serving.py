@@ -50,7 +50,7 @@ from benchmarks import gpu_ring, store_rate
 from benchmarks.lean_llama import LLAMA_8B, TINY, KVCache, LeanLlama, random_llama
 from benchmarks.report import Outcome, SuiteSkipped, SuiteSpec
 from hscapture import CaptureConfig, Producer, open_store
-from hscapture.config import MiB, ensure_writable_dir
+from hscapture.config import MiB
 from hscapture.consumer import consume_command
 from hscapture.integrations.hf import describe, eagle3_default_layers
 from hscapture.producer.graph import GraphRingWriter
@@ -164,9 +164,7 @@ def resolve(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any]]:
     settings["dims"] = dict(TINY if args.tiny else LLAMA_8B)
     settings["dtype"] = "bfloat16"
     settings["graphs"] = device.type == "cuda"
-    settings["work_dir"] = str(
-        ensure_writable_dir(args.work_dir, "--work-dir") if args.work_dir else tempfile.gettempdir()
-    )
+    settings["work_dir"] = str(args.work_dir or tempfile.gettempdir())
     return device, settings
 
 

@@ -76,8 +76,6 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("gib", "sample_tokens", "repeats"):
         if settings[key] <= 0:
             raise ValueError(f"--{key.replace('_', '-')} {settings[key]}: must be > 0")
-    if args.work_dir is not None and not (args.work_dir.is_dir() and os.access(args.work_dir, os.W_OK)):
-        raise ValueError(f"--work-dir: {args.work_dir} is not a writable directory")
     return settings
 
 

@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/run.py` puts benchmarks/ fir
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import report  # noqa: E402
+from hscapture.config import ensure_writable_dir  # noqa: E402
 
 #: Suite name -> module exposing ``SUITE``.
 SUITES: dict[str, str] = {
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             report.write_json(args.results_dir / f"{outcome.name}.json", partial)
 
         try:
+            if getattr(args, "work_dir", None) is not None:  # every suite's, made (private) or refused up front
+                ensure_writable_dir(args.work_dir, "--work-dir")
             outcome = spec.run(args, checkpoint)
         except report.SuiteSkipped as exc:
             print(f"{args.suite} suite skipped: {exc}", file=sys.stderr)

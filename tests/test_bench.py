@@ -178,14 +178,16 @@ def test_gpu_suite_refuses_bad_settings_naming_the_option(tmp_path: Path) -> Non
     assert list(tmp_path.iterdir()) == []
 
 
-def test_gpu_suite_refuses_a_work_dir_it_cannot_create(tmp_path: Path) -> None:
+@pytest.mark.parametrize("suite", [("gpu", "--tiny", "--device", "cpu"), ("store",), ("extract",), ("read",)])
+def test_a_suite_refuses_a_work_dir_it_cannot_create(tmp_path: Path, suite: tuple[str, ...]) -> None:
+    """Before any work, in one line naming the option (a missing one is made: see tiny_run)."""
     (tmp_path / "a-file").write_text("")
     done = run_bench(
-        "benchmarks/run.py", "gpu", "--tiny", "--device", "cpu", "--results-dir", tmp_path / "results",
-        "--work-dir", tmp_path / "a-file" / "work",
+        "benchmarks/run.py", *suite, "--results-dir", tmp_path / "results", "--work-dir", tmp_path / "a-file" / "work",
     )  # fmt: skip
-    assert done.returncode == 2
+    assert done.returncode == 2, done.stderr[-3000:]
     assert "--work-dir: " in done.stderr and "a-file/work' is not writable" in done.stderr
+    assert "Traceback" not in done.stderr
     assert not (tmp_path / "results").exists()
 
 
