@@ -25,6 +25,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from benchmarks.extract_speed import make_data
+from hscapture.config import usable_cores
 from hscapture.data import load_samples, tokenize_workers
 from hscapture.tiny import ensure_tiny_model
 
@@ -41,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     with tempfile.TemporaryDirectory() as work:
         data = make_data(Path(work) / "chats.jsonl", tokenizer, args.conversations, args.tokens)
         reference = list(load_samples(data, tokenizer))

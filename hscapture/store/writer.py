@@ -208,8 +208,7 @@ class StoreWriter:
         #: Whether row planes go out with O_DIRECT (off after the filesystem refused it), bytes each way.
         self.direct = DirectIO(direct_io)
         self._threads_asked, self._buffers_asked = writer_threads, shard_buffers
-        self.writer_threads = writer_threads or default_writer_threads(self.direct.enabled)
-        self.shard_buffers = shard_buffers or self.writer_threads + 2
+        self.writer_threads, self.shard_buffers = self._sizes()
         self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
         #: The writer threads' row checksums, compiled while no producer is attached yet (~1 s of a core).
         self._compiled = self._pool.submit(crc_kernel)
@@ -346,15 +345,19 @@ class StoreWriter:
             self._free.put(buffer)
         self._compiled.result()
 
-    def _size_writers(self) -> None:
-        """Writer threads and shard buffers for the run beginning: as asked, else by how its row planes go
-        out (``direct.use`` may have changed that since the last run; between runs nothing is written)."""
+    def _sizes(self) -> tuple[int, int]:
+        """Writer threads and shard buffers: as asked, else by how row planes go out now."""
         threads = self._threads_asked or default_writer_threads(self.direct.enabled)
+        return threads, self._buffers_asked or threads + 2
+
+    def _size_writers(self) -> None:
+        """Size the writers for the run beginning (``direct.use`` may have changed how its row planes go out
+        since the last run; between runs nothing is written)."""
+        threads, self.shard_buffers = self._sizes()
         if threads != self.writer_threads:
             self._pool.shutdown(wait=True)
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hscapture-writer")
             self.writer_threads = threads
-        self.shard_buffers = self._buffers_asked or threads + 2
 
     def end_run(self, reason: str, counters: dict[str, int]) -> None:
         """Write the open shard, wait for all writes, and close every request of the run.
