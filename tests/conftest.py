@@ -42,6 +42,18 @@ def cli_refusal(*args: str | Path) -> tuple[int, str]:
 
 
 @contextlib.contextmanager
+def sync_debug(mode: str) -> Iterator[None]:
+    """``torch.cuda.set_sync_debug_mode(mode)`` for the block (``"error"``: any host-device sync raises)."""
+    import torch
+
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@contextlib.contextmanager
 def short_endpoint() -> Iterator[str]:
     """A fresh ipc:// endpoint (ipc paths must stay under ~100 characters, so not in tmp_path)."""
     directory = Path(f"/tmp/hsc-test-{uuid.uuid4().hex[:10]}")
@@ -84,14 +96,11 @@ def start_consumer() -> Iterator[ConsumerFactory]:
             process.wait()
 
 
-def wait_attached(producer: Producer, timeout_s: float = 20.0) -> None:
-    """Serve the producer's control socket until a consumer has attached."""
-    deadline = time.monotonic() + timeout_s
-    while not producer.attached:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no consumer attached within {timeout_s} s")
-        producer.poll()
-        time.sleep(0.01)
+def wait_attached(producer: Producer, timeout_s: float = 120.0) -> None:
+    """Serve the producer's control socket until a consumer has attached (a consumer process's start, imports
+    included, takes seconds on a busy 2-core host: the limit only bounds a broken run)."""
+    if not producer.wait_attached(timeout_s):
+        raise TimeoutError(f"no consumer attached within {timeout_s} s")
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from hscapture.fp8 import quantize_into, quantize_rows
 from hscapture.ring.cuda import CudaRingReader
 from hscapture.store.checksum import RowCrcs, row_crcs
 from hscapture.store.verify import verify_store
-from tests.conftest import ConsumerFactory, wait_attached
+from tests.conftest import ConsumerFactory, sync_debug, wait_attached
 from tests.storefeed import special_rows
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -75,16 +75,16 @@ class Block(torch.nn.Module):
         return states
 
 
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["nvrtc-kernel", "index_copy"])
 @pytest.mark.parametrize("policy", ["block", "drop"])
 @pytest.mark.gpu
 @requires_gpu
 def test_graph_replayed_capture_is_bitwise_and_never_announces_padding(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, use_kernel: bool, policy: str
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, policy: str
 ) -> None:
+    """Any engine's decode graph holds the producer's ring copy (``Producer.graph_rows``); after each replay
+    ``capture_step`` of the graph's outputs plans where its rows go, reading nothing on the device. Padding rows are
+    never announced; steps of the same request tuples share a slot (a decode run) through the same copy."""
     pytest.importorskip("cupy")
-    from hscapture.producer.graph import GraphRingWriter
-
     batch = 32
     torch.manual_seed(0)
     model = Block().cuda().bfloat16()
@@ -92,41 +92,54 @@ def test_graph_replayed_capture_is_bitwise_and_never_announces_padding(
     consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
     producer = producer_for(gpu_config(endpoint, policy=policy, slot_bytes=256 << 10, ring_bytes=1 << 20))
     wait_attached(producer)
-    writer = GraphRingWriter(producer, batch_rows=batch, use_kernel=use_kernel)
-    assert writer.uses_kernel == use_kernel
+    copy = producer.graph_rows()
+    assert copy is not None, "the graph copy's kernels did not compile"
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside capture, as torch.cuda.graph requires
-        writer.plan()
-        static_states = model(static_x)
-        writer.write(static_states)
+        model(static_x)
     torch.cuda.current_stream().wait_stream(side)
-    writer.commit(1, ["warmup"], [1], [0], [0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_states = model(static_x)
-        writer.write(static_states)
-    references: dict[str, torch.Tensor] = {}
+        copy.capture(static_states)
+    references: dict[str, list[torch.Tensor]] = {}
+    decoding = tuple(f"d{i}" for i in range(batch)), (1,) * batch
     rng = np.random.default_rng(0)
-    for step in range(40):  # 3 usable slots: every slot is reused many times
+    for step in range(60):  # 4 slots: every slot is reused many times
         static_x.copy_(torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16))
-        writer.plan()
         graph.replay()
-        rows = int(rng.integers(1, batch + 1))  # the rest of the graph batch is padding
-        references[f"s{step}"] = torch.stack([s[:rows] for s in static_states], dim=1).cpu()
-        writer.commit(rows, [f"s{step}"], [rows], np.arange(rows), np.arange(rows) + step)
-        producer.finish_request(f"s{step}", num_tokens=rows)
+        copy.launched()
+        with sync_debug("error"):  # the engine-facing calls never wait for the device
+            if step < 30:  # one request per step, the rest of the graph batch padding
+                rows = int(rng.integers(1, batch + 1))
+                states = [state[:rows] for state in static_states]
+                producer.capture_step(states, [f"s{step}"], [rows], np.arange(rows), np.arange(rows) + step)
+                producer.finish_request(f"s{step}", num_tokens=rows)
+            else:  # the same requests step after step: their rows share a slot
+                position = np.full(batch, step - 30)
+                producer.capture_step(static_states, *decoding, position, position + 7)
+        rows = rows if step < 30 else batch
+        kept = torch.stack([s[:rows] for s in static_states], dim=1).cpu()
+        if step < 30:
+            references[f"s{step}"] = [kept]
+        else:
+            for i in range(batch):
+                references.setdefault(f"d{i}", []).append(kept[i : i + 1])
+    assert not copy.failed
+    for rid in decoding[0]:
+        producer.finish_request(rid, num_tokens=30)
     counters = producer.close()
     assert consumer.wait(60) == 0
     store = open_store(tmp_path)
-    stored = [k for k in store.keys(complete_only=True) if k.startswith("s")]
+    stored = store.keys(complete_only=True)
     if policy == "block":
-        assert len(stored) == 40 and counters.rows_dropped == 0
-    assert len(stored) + sum(1 for k in store if k.startswith("s") and k not in stored) == 40
+        assert len(stored) == 30 + batch and counters.rows_dropped == 0
+    assert len(store.keys()) == 30 + batch
     for key in stored:
         sample = store.get(key)
         got = torch.stack([sample[n] for n in NAMES], dim=1)
-        assert torch.equal(got, references[key]), key
+        assert torch.equal(got, torch.cat(references[key])), key
         assert sample["positions"].tolist() == list(range(len(got)))
     assert store.summary()["rows"] == counters.rows_captured, "padding rows were stored"
 
@@ -154,7 +167,7 @@ def test_fp8_on_the_gpu_gives_the_cpu_quantizers_bits(dtype: torch.dtype) -> Non
 @pytest.mark.gpu
 @requires_gpu
 def test_the_fused_fp8_kernel_gives_the_cpu_quantizers_bits_for_every_bf16_value() -> None:
-    """The consumer's one-launch quantization of bf16 rows (``csrc/quantize_fp8.cu``): special rows, and
+    """The consumer's one-launch quantization of bf16 rows (``hscapture/csrc/quantize_fp8.cu``): special rows, and
     every one of the 65,536 bf16 bit patterns (rows of mixed magnitudes, so each meets several scales)."""
     cupy = pytest.importorskip("cupy")
     from hscapture.consumer.device_fp8 import bf16_kernel
@@ -190,7 +203,7 @@ def test_the_fused_fp8_kernel_gives_the_cpu_quantizers_bits_for_every_bf16_value
 @pytest.mark.parametrize("width", [1, 256, 4096, 7168])
 def test_row_crcs_on_the_gpu_equal_zlib_without_a_sync(width: int) -> None:
     """The CRCs of fp8 rows the consumer computes on the GPU next to them, by the kernel
-    (``csrc/crc32_rows.cu``) and by its torch fallback, are zlib's; neither reads the device on the host."""
+    (``hscapture/csrc/crc32_rows.cu``) and by its torch fallback, are zlib's; neither reads the device on the host."""
     cupy = pytest.importorskip("cupy")
     from hscapture.consumer.device_fp8 import crc_kernel
 
@@ -207,14 +220,11 @@ def test_row_crcs_on_the_gpu_equal_zlib_without_a_sync(width: int) -> None:
     args = (np.uint64(device_rows.data_ptr()), np.int64(width), np.int64(300 * width), np.int32(width))
     args += (np.uint64(by_kernel.data_ptr()), np.int32(300), np.uint32(zlib.crc32(bytes(width))))
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_debug("error"):
         with cupy.cuda.Device(0):
             kernel((297, 2), (256,), args)  # the last three rows of each tensor left out
         for t in range(2):
             checksum(device_rows[t], by_torch[t])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     got = by_kernel.cpu().numpy().view(np.uint32)
     assert np.array_equal(got[:, :297], want[:, :297]) and not got[:, 297:].any()
@@ -363,14 +373,10 @@ def test_extraction_batches_never_wait_for_the_gpu_in_our_code(
         batches = plan_batches(samples, 1024, 64, 64)
         consumer = start_consumer(tmp_path / "store", endpoint, "--exit-on-eos")
         engine.start(endpoint, {}, lambda: None, max(len(s.input_ids) for s in samples))
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for batch in batches:
-                    engine.run(batch)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        with sync_debug("warn"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for batch in batches:
+                engine.run(batch)
         engine.end()
         assert consumer.wait(60) == 0
     finally:

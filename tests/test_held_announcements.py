@@ -1,4 +1,4 @@
-"""Announcements held back and sent together (see ``hscapture.producer.producer``): the consumer gets every chunk, in
+"""Announcements held back and sent together (see ``hscapture.producer.announcer``): the consumer gets every chunk, in
 seq order, before the end of a request that owns rows in them, at close, and once the time limit has passed on an
 engine that calls again or goes idle. A real consumer process writes the store."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hscapture import Producer, open_store
-from hscapture.producer import producer as producer_module
+from hscapture.producer import announcer as announcer_module
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.workload import HIDDEN, NUM_TENSORS, make_config, make_producer
 
@@ -56,7 +56,7 @@ class Decode:
 def test_held_chunks_reach_the_consumer_in_order_before_a_request_end_and_at_close(
     tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(producer_module, "_SERVICE_S", 3600.0)  # no time limit: only the events under test send
+    monkeypatch.setattr(announcer_module, "SERVICE_S", 3600.0)  # no time limit: only the events under test send
     log = tmp_path / "consumer.log"
     consumer = start_consumer(tmp_path / "store", endpoint, "--exit-on-eos", log=log)
     producer = make_producer(make_config(endpoint, policy="drop", slots=16))
@@ -87,7 +87,7 @@ def test_a_chunk_held_goes_out_once_the_time_limit_has_passed_or_the_engine_poll
     decode = Decode()
     decode.step(producer, ["a"])
     assert producer.counters.chunks_announced == 0
-    time.sleep(2 * producer_module._SERVICE_S)  # lets the limit pass; nothing here depends on how long it took
+    time.sleep(2 * announcer_module.SERVICE_S)  # lets the limit pass; nothing here depends on how long it took
     written = producer.write_step(decode.states(["a"]), ["a"], [1])  # the engine's next forward
     assert producer.counters.chunks_announced == 1, "a chunk held past the time limit was not sent"
     producer.announce_step(written, *decode.meta(["a"]))

@@ -130,12 +130,11 @@ def check_store(out: Path, workloads: list[Workload]) -> dict[str, dict]:
 
 
 def assert_slots_accounted(producer: Producer) -> None:
-    """Every slot is exactly once either free, held to be announced, or in flight: none was released twice or early.
-
-    Reads the producer's private bookkeeping: nothing public says which slots are in flight.
-    """
-    free, held, flying = list(producer._free), [h.slot for h in producer._held], list(producer._in_flight)
-    assert sorted(free + held + flying) == list(range(producer.config.num_slots)), (free, held, flying)
+    """Every slot is exactly once either free, written, held to be announced, or in flight: none was released twice
+    or early."""
+    ledger = producer.ledger
+    free, written, held, flying = list(ledger.free), list(ledger.written), list(ledger.held), list(ledger.in_flight)
+    assert sorted(free + written + held + flying) == list(range(producer.config.num_slots)), (free, held, flying)
 
 
 REJECTED_ON_RELEASE = "rejected message on release socket: "
@@ -212,7 +211,7 @@ def test_producer_rejects_every_hostile_control_message_and_keeps_the_stream_bit
     producer = new_producer()
     wait_attached(producer)
     hostile = hostile_push()
-    real_id = producer._consumer_id  # the attached consumer's id: forgeries that differ only in seq or token
+    real_id = producer.consumer_id  # the attached consumer's id: forgeries that differ only in seq or token
     assert real_id
     num_slots = producer.config.num_slots
     templates = [
@@ -230,7 +229,7 @@ def test_producer_rejects_every_hostile_control_message_and_keeps_the_stream_bit
 
     def forge_against_flight() -> None:
         """Releases aimed at a slot that is in flight right now, each wrong in one way."""
-        slot, flight = next(iter(producer._in_flight.items()))
+        slot, flight = next(iter(producer.ledger.in_flight.items()))
         # Replayed, out of order, or from the future (not seq + 1: this slot may really carry it next).
         for seq in (flight.seq - 1, flight.seq + 10**9, 0, -1, 2**64 - 1):
             send(Release(v=V, consumer_id=real_id, slot=slot, seq=seq), "stale or forged")
@@ -275,11 +274,11 @@ def test_producer_rejects_every_hostile_control_message_and_keeps_the_stream_bit
     for step in range(steps):
         workload.step(producer)
         assert_slots_accounted(producer)
-        if producer._in_flight and step % 4 == 0:
+        if producer.ledger.in_flight and step % 4 == 0:
             forge_against_flight()
         if step % 10 == 5:  # replay the consumer's own earlier releases, once their seq is no longer in flight
             for slot, seq in released_before:
-                flight = producer._in_flight.get(slot)
+                flight = producer.ledger.in_flight.get(slot)
                 if flight is None or flight.seq != seq:
                     send(Release(v=V, consumer_id=real_id, slot=slot, seq=seq), "stale or forged")
         for message, reason in crafted[step::steps]:
@@ -293,7 +292,7 @@ def test_producer_rejects_every_hostile_control_message_and_keeps_the_stream_bit
     counters = producer.close()
     assert consumer.wait(30) == 0
     assert counters.messages_rejected == len(sent)
-    assert not producer._in_flight, "a slot never came back"
+    assert not producer.ledger.in_flight, "a slot never came back"
     assert counters.attaches == 1 and counters.rows_dropped == 0
     assert counters.rows_captured == workload.total_rows
 
@@ -340,14 +339,14 @@ def test_forged_hellos_without_the_token_leave_the_real_consumer_attached(
     for step in range(40):
         workload.step(producer)
         if step % 5 == 0:
-            for consumer_id in (f"stray-{step}", "", producer._consumer_id):
+            for consumer_id in (f"stray-{step}", "", producer.consumer_id):
                 hostile.send(protocol.encode(Hello(v=V, consumer_id=consumer_id, run_id=producer.run_id)))
                 forged += 1
             wait_rejected(producer, forged, timeout_s=5)
             assert producer.attached and producer.counters.attaches == 1
     assert producer.counters.messages_rejected == forged
     counters = producer.close()
-    assert consumer.wait(30) == 0 and counters.rows_dropped == 0 and not producer._in_flight
+    assert consumer.wait(30) == 0 and counters.rows_dropped == 0 and not producer.ledger.in_flight
     records = check_store(out, [workload])
     assert all(records[rid]["status"] == "complete" for rid in workload.finished)
 
@@ -370,14 +369,14 @@ def test_a_stray_hello_with_the_token_does_not_leak_the_real_consumers_slots(
         if step == 10:
             # The slow consumer still copies the chunks just announced when the hello lands.
             producer.poll()  # sends the chunks held back
-            assert producer._in_flight
+            assert producer.ledger.in_flight
             hostile.send(protocol.encode(Hello(v=V, consumer_id="second-consumer", token=producer.token)))
             deadline = time.monotonic() + 0.2  # takes the hello (and whatever else comes) meanwhile
             while time.monotonic() < deadline:
                 producer.poll()
     counters = producer.close(timeout_s=3)
     assert consumer.wait(30) == 0
-    assert not producer._in_flight, "slots of the real consumer were never given back"
+    assert not producer.ledger.in_flight, "slots of the real consumer were never given back"
     assert counters.rows_dropped == 0 and counters.rows_captured == workload.total_rows
     records = check_store(out, [workload])
     assert all(records[rid]["status"] == "complete" for rid in workload.finished)

@@ -15,8 +15,7 @@ import torch
 
 from hscapture import open_store
 from hscapture.consumer import consume_command
-from hscapture.producer import Producer
-from hscapture.producer import producer as producer_module
+from hscapture.producer import Producer, announcer
 from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.workload import HIDDEN, NUM_TENSORS, Workload, make_config, make_producer
@@ -281,7 +280,7 @@ def test_a_restarted_consumer_slow_to_attach_takes_over_each_slot_in_flight_once
     to the consumer before it confirmed, the dead one's slots after: "Chunk.seq: 1 after 3; replayed or out of
     order", seq 3 announced twice and released twice, slots 1 and 2 never released; on the GPU a CreditTimeout.)
     ``together``: the dead one got both slots in one message; the new one gets each again alone."""
-    monkeypatch.setattr(producer_module, "_SERVICE_S", 3600.0)  # held chunks go out only when the test says
+    monkeypatch.setattr(announcer, "SERVICE_S", 3600.0)  # held chunks go out only when the test says
     producer = make_producer(make_config(endpoint, policy="block", device=device))  # 4 slots of 8 rows
     requests = Requests("ab", device)
     first = first_consumer_holding_a(tmp_path, endpoint, start_consumer, producer, requests, sent == "together")
@@ -311,7 +310,7 @@ def test_a_producer_closed_while_a_restarted_consumer_attaches_ends_the_stream_a
     second, gate, log = second_consumer_held_before_confirming(tmp_path, endpoint, start_consumer, producer, first)
     gate.touch()
     counters = producer.close()
-    assert not producer._in_flight, "closed with slots never released"
+    assert not producer.ledger.in_flight, "closed with slots never released"
     assert second.wait(30) == 0
     assert "rejected" not in log.read_text(), log.read_text()[-3000:]
     assert counters.attaches == 2 and counters.messages_rejected == 0
@@ -343,7 +342,7 @@ def test_a_consumer_replaced_while_frozen_is_taken_back_and_loses_no_slot(
         else:  # attaches, and is stuck in the first chunk announced to it
             second = start_consumer(tmp_path / "second", endpoint, "--delay-ms", "600000")
             serve_until(producer, lambda: producer.counters.attaches == 2, "the takeover by the second one")
-        moved = len(producer._in_flight) if replacement == "attached" else 0  # announced to the second one
+        moved = len(producer.ledger.in_flight) if replacement == "attached" else 0  # announced to the second one
         second.kill()
         second.wait()
     finally:
@@ -359,7 +358,7 @@ def test_a_consumer_replaced_while_frozen_is_taken_back_and_loses_no_slot(
     counters = producer.close()
     assert first.wait(30) == 0
     assert "rejected" not in log.read_text(), log.read_text()[-3000:]
-    assert not producer._in_flight, "a slot never came back"
+    assert not producer.ledger.in_flight, "a slot never came back"
     assert counters.rows_dropped == counters.events_dropped == 0
     assert counters.attaches == attaches
     # A slot it got twice it releases twice (unless the second came while still copying it): the producer

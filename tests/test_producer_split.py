@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hscapture import NullProducer, Producer, open_store
-from hscapture.producer import WrittenStep
+from hscapture import open_store
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.workload import HIDDEN, NUM_TENSORS, make_config, make_producer
 
@@ -161,40 +160,6 @@ def test_tensors_given_side_by_side_are_stored_as_given_one_by_one(
             assert torch.equal(got[name], torch.cat([prefill[t][kept], *decoded])), (rid, name)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu])])
-@pytest.mark.parametrize("spans", [(2, 1), (1, 2), (3,), (1, 1, 1)])
-def test_a_slot_written_in_one_launch_holds_each_tensors_plane(
-    endpoint: str, device: str, spans: tuple[int, ...]
-) -> None:
-    """Side-by-side states go into a slot by one ``torch.cat``, separate ones by one ``torch.stack``: the slot
-    holds each tensor's rows plane after plane, as one copy per tensor leaves them. For a whole step, a slot's
-    part of a step, states whose rows are wider than their values, and rows picked by an index."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs an NVIDIA GPU")
-    assert sum(spans) == NUM_TENSORS
-    producer = make_producer(make_config(endpoint, slots=4, rows_per_slot=8, device=device))
-    try:
-        tensors = torch.randn(NUM_TENSORS, 12, HIDDEN, generator=torch.Generator().manual_seed(7)).to(device)
-        firsts = [sum(spans[:i]) for i in range(len(spans))]
-        states = [torch.cat(list(tensors[t : t + k]), dim=1) for t, k in zip(firsts, spans)]
-        wide = [torch.cat([state, state[:, :3]], dim=1)[:, : state.shape[1]] for state in states]
-        index = torch.tensor([11, 0, 5, 6, 2, 9, 3, 1], device=device)
-        cases = [  # states, row_index, begin, the rows the slot must hold
-            ([state[:8] for state in states], None, 0, slice(0, 8)),
-            (states, None, 4, slice(4, 12)),
-            (wide, None, 2, slice(2, 10)),
-            (states, index, 0, index),
-        ]
-        for slot in (0, 1, 0):
-            for given, row_index, begin, want in cases:
-                producer._slots[slot].zero_()
-                producer._write(slot, given, spans, row_index, begin, 8)
-                planes = producer._slots[slot][: NUM_TENSORS * 8 * HIDDEN].view(NUM_TENSORS, 8, HIDDEN)
-                assert torch.equal(planes, tensors[:, want]), (slot, begin, row_index)
-    finally:
-        producer.close(timeout_s=0)
-
-
 def test_positions_and_token_ids_on_a_device_are_refused(endpoint: str) -> None:
     producer = make_producer(make_config(endpoint))
     try:
@@ -203,13 +168,3 @@ def test_positions_and_token_ids_on_a_device_are_refused(endpoint: str) -> None:
             producer.capture_step(rows(3, 0), ["a"], [3], [0, 1, 2], on_device)
     finally:
         producer.close(timeout_s=0)
-
-
-def test_null_producer_has_every_engine_facing_method() -> None:
-    engine_facing = {"capture_step", "write_step", "announce_step", "finish_request", "poll", "close"}
-    assert engine_facing <= set(dir(Producer)) and engine_facing <= set(dir(NullProducer))
-    null = NullProducer()
-    step = null.write_step(rows(4, 0), ["a", "b"], [1, 3])
-    assert isinstance(step, WrittenStep) and (step.rows, step.written) == (4, 0)
-    assert null.announce_step(step, [0, 0, 1, 2], [1, 2, 3, 4]) == 0
-    assert null.capture_step(rows(4, 0), ["a"], [4], [0, 1, 2, 3], [1, 2, 3, 4]) == 0

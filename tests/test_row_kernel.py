@@ -1,5 +1,5 @@
-"""The CUDA ring's row writes (``csrc/rows_to_planes.cu``) give the bytes of the torch write: one launch per step
-(``RowKernel``), or a copy captured in a CUDA graph that takes each replay's destination from the host's plan
+"""The CUDA ring's row writes (``hscapture/csrc/rows_to_planes.cu``) give the bytes of the torch write: one launch
+per step (``RowKernel``), or a copy captured in a CUDA graph that takes each replay's destination from the host's plan
 (``GraphRows``)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hscapture.producer.row_kernel import GraphRows, RowKernel
+from tests.conftest import sync_debug
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 HIDDEN = 384
@@ -69,11 +70,8 @@ def test_row_kernel_writes_the_torch_writes_bytes_without_a_sync(
     want = expected(slots[1], states, begin, count, first, plane_rows)
     before = [slots[0].clone(), slots[2].clone()]
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_debug("error"):
         assert kernel.write(1, states, spans, begin, count, first, plane_rows)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.equal(slots[1].view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(slots[0], before[0]) and torch.equal(slots[2], before[1]), "wrote outside its slot"
@@ -141,14 +139,11 @@ def test_graph_copy_writes_where_each_replay_was_planned_after_its_launch(dtype:
     for step, (slot, _, count, first, plane_rows) in enumerate(plans):
         seed.fill_(step)
         graph.replay()  # launched before the host knows where its rows go
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_debug("error"):
             graph_rows.launched()
             if slot is not None:
                 assert graph_rows.write(slot, outputs, spans, 0, count, first, plane_rows)
             graph_rows.settle()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         if slot is not None:
             wants[slot] = expected(wants[slot], [o.clone() for o in outputs], 0, count, first, plane_rows)

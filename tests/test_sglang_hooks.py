@@ -38,7 +38,8 @@ from benchmarks.sglang_standin import (
 )
 from hscapture import CaptureConfig, open_store
 from hscapture.config import SLOT_ALIGN, MiB
-from hscapture.integrations.sglang import MAX_PENDING, RUN_STEPS, SLOT_ROWS, default_slot_bytes
+from hscapture.integrations.sglang import MAX_PENDING, SLOT_ROWS, default_slot_bytes
+from hscapture.producer import RUN_STEPS
 from tests.conftest import ConsumerFactory, wait_attached
 
 HIDDEN = 32

@@ -11,8 +11,8 @@ are copied into the rows the store reserved. A CRC made before the copy out also
 that went wrong. The engine's stream never waits for any of it: the slot's rows
 are read after the producer's event, on the consumer's own stream, as the plain copy out did.
 
-Cost, for bf16 rows: one kernel per slot (``csrc/quantize_fp8.cu``, compiled with NVRTC: each
-row read twice, its codes written once), one for the rows' CRCs (``csrc/crc32_rows.cu``) and
+Cost, for bf16 rows: one kernel per slot (``hscapture/csrc/quantize_fp8.cu``, compiled with NVRTC: each
+row read twice, its codes written once), one for the rows' CRCs (``hscapture/csrc/crc32_rows.cu``) and
 ``4 x tensors`` small copies. The torch path it falls
 back to (other dtypes, or no NVRTC) is about ten elementwise kernels per block of up to
 :data:`~hscapture.fp8.BLOCK_ELEMENTS` values, ~18 bytes of device memory traffic per byte of rows,
@@ -39,12 +39,12 @@ _THREADS = 256
 
 
 def bf16_kernel() -> Any:
-    """The fused bf16 quantization kernel (``csrc/quantize_fp8.cu``); None where it cannot be compiled."""
+    """The fused bf16 quantization kernel (``hscapture/csrc/quantize_fp8.cu``); None where it cannot be compiled."""
     return kernel("quantize_fp8.cu", "quantize_bf16_rows", "quantizing with torch kernels")
 
 
 def crc_kernel() -> Any:
-    """The rows' CRC-32 kernel (``csrc/crc32_rows.cu``); None where it cannot be compiled."""
+    """The rows' CRC-32 kernel (``hscapture/csrc/crc32_rows.cu``); None where it cannot be compiled."""
     return kernel("crc32_rows.cu", "crc32_rows", "checksumming with torch kernels")
 
 

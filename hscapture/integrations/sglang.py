@@ -20,7 +20,7 @@ settings; then it registers four hooks through SGLang's ``HookRegistry`` (no sou
   copy's plan table in mapped host memory (``GraphRows``), with no launch of its own; other
   forwards (extend, mixed, batches past the largest graph) are copied by one launch. Decode steps
   of the same requests go into one slot, one after another (a *decode run*: up to
-  :data:`RUN_STEPS` steps, or a full slot), announced as one chunk: the announcement's work
+  :data:`hscapture.producer.RUN_STEPS` steps, or a full slot), announced as one chunk: the announcement's work
   (token ids, the chunk, the sockets) is paid once per run, not per step.
 * AFTER ``Scheduler.process_batch_result``: announces the rows whose token ids the host now
   holds, then ends the requests that finished or were aborted (with their retraction count).
@@ -231,10 +231,6 @@ def _parallel() -> Any:
 #: Forwards whose rows may wait for their token ids at once (SGLang's loops leave at most one);
 #: a forward beyond that stops capture: the host never got the ids, or results are not processed.
 MAX_PENDING = 4
-#: Decode steps of the same requests written into one slot at most, announced as one chunk
-#: (``Producer.extend_step``); fewer when the slot fills first. It bounds how long the first
-#: step's rows wait to be announced.
-RUN_STEPS = 16
 #: Rows a ring slot holds by default: a decode run of 8 steps at batch 64 (a 4 MiB slot holds 73
 #: rows of Kimi-K2.5's EAGLE-3 set, 57 KiB each: one step at batch 64, no run at all).
 SLOT_ROWS = 512
@@ -362,6 +358,8 @@ class SGLangCapture:
         #: The decode run later steps of the same requests may still join (the newest of ``pending``), and
         #: how many steps a run takes at most.
         self._run: _DecodeRun | None = None
+        from hscapture.producer import RUN_STEPS
+
         self.run_steps = RUN_STEPS
         #: Prefix length at first schedule of each running request that hit the radix cache (never forwarded).
         self.cached_prefix: dict[str, int] = {}

@@ -1,11 +1,12 @@
 """The engine side: what runs inside the engine process.
 
-:class:`Producer` is the engine-neutral API every engine hook calls (copy a step's rows into the
-ring, announce them); :mod:`hscapture.producer.graph` writes into the ring from inside a CUDA
-graph. Rows then flow producer -> ring (:mod:`hscapture.ring`) -> consumer
-(:mod:`hscapture.consumer`) -> store (:mod:`hscapture.store`).
+:class:`EngineProducer` is the one engine-facing API every engine integration calls
+(:mod:`hscapture.producer.base` says who calls what, and how often); :class:`Producer` implements it
+over a ring and a socket pair, :class:`NullProducer` does nothing. Rows then flow producer -> ring
+(:mod:`hscapture.ring`) -> consumer (:mod:`hscapture.consumer`) -> store (:mod:`hscapture.store`).
 """
 
-from hscapture.producer.producer import NullProducer, Producer, ProducerCounters, WrittenStep
+from hscapture.producer.base import EngineProducer, NullProducer, ProducerCounters, WrittenStep
+from hscapture.producer.producer import RUN_STEPS, Producer
 
-__all__ = ["NullProducer", "Producer", "ProducerCounters", "WrittenStep"]
+__all__ = ["RUN_STEPS", "EngineProducer", "NullProducer", "Producer", "ProducerCounters", "WrittenStep"]

@@ -1,4 +1,4 @@
-"""The CUDA ring's write of a step's rows into a slot: one driver launch of ``csrc/rows_to_planes.cu``.
+"""The CUDA ring's write of a step's rows into a slot: one driver launch of ``hscapture/csrc/rows_to_planes.cu``.
 
 A decode step's rows are a few hundred KiB: the GPU copies them in a microsecond or two, and what
 the write costs is the host's time to queue it, on the engine's thread, every step. On the H200
@@ -11,7 +11,7 @@ Inside an engine loop on the H200 hosts, though, any launch from Python costs 25
 benchmark's ``floor``). :class:`GraphRows` takes the launch out of the step: the same copy is
 captured once in the engine's own CUDA graph, after the forward, and each replay takes its
 destination from a plan table in mapped host memory that the host fills after launching the
-replay (a few stores, no driver call); see ``csrc/rows_to_planes.cu``.
+replay (a few stores, no driver call); see ``hscapture/csrc/rows_to_planes.cu``.
 
 Sources it takes: up to :data:`MAX_SOURCES` tensors ``[N, k * hidden]`` of the ring's dtype on
 the ring's GPU, rows 16-byte aligned, each row contiguous. Anything else (and a step with a

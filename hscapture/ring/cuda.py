@@ -118,8 +118,8 @@ class CudaRing(Ring):
         """Record slot ``index``'s IPC event on ``stream`` (default: the current one), after the writes queued there."""
         if torch.cuda.is_current_stream_capturing():
             raise HSCaptureError(
-                "mark_written: called inside CUDA graph capture; record the slot's event after replay "
-                "(GraphRingWriter.commit does)"
+                "mark_written: called inside CUDA graph capture; record the slot's event after the replay "
+                "(the producer's capture_step and announce_step do)"
             )
         self._runtime.eventRecord(self._events[index], _current_stream(self.device) if stream is None else stream)
 
