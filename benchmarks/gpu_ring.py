@@ -1,10 +1,10 @@
-"""GPU ring benchmarks: drain rate, producer host time, ring-write kernel, compute slowdown; one run.
+"""GPU ring benchmarks: drain rate, producer host time, compute slowdown; one run.
 
     python benchmarks/gpu_ring.py [--out benchmarks/results/gpu-ring-h200.json] [--quick]
 
 (``--quick`` writes ``gpu-ring-h200-quick.json`` unless ``--out`` is given; ``--sections`` reruns a part.)
 
-Why these four numbers. The CUDA ring exists to move hidden states off the GPU without costing
+Why these three numbers. The CUDA ring exists to move hidden states off the GPU without costing
 the engine anything, so each claim gets a measurement beside the thing it is compared with:
 
 1. **Drain rate vs plain pinned D2H.** The ceiling for getting bytes off the GPU is one stream of
@@ -15,19 +15,16 @@ the engine anything, so each claim gets a measurement beside the thing it is com
    drift hits both alike; each hscapture repeat has its own producer/consumer pair, primed and
    warmed before the clock starts, and ends when ``Producer.close`` returns (every slot released).
 2. **Producer host time per step.** The engine thread pays this on every forward step. It is
-   timed around ``capture_step`` alone (no synchronize inside), and around ``plan()`` +
-   ``commit()`` for the CUDA-graph path (the write itself is in the graph).
-3. **Ring-write kernel vs fallback.** ``GraphRingWriter`` has a fused NVRTC kernel and an
-   ``index_copy_`` fallback; this says which one a graph should carry. ``us_per_replay`` times
-   1000 replays of a graph holding one write (queued behind a GPU sleep so launches do not gate
-   it); ``us_per_write_unrolled`` times a graph of 50 writes, which is launch-free GPU time.
-4. **Matmul slowdown while draining.** The DMA drain shares HBM and PCIe with the engine's
+   timed around ``capture_step`` alone (no synchronize inside): of eager states (one launch of the
+   row kernel), and after the replay of a graph holding the producer's ring copy
+   (``Producer.graph_rows``: the call only plans where the replay's rows go), with the same request
+   tuples step after step as a decode engine passes them.
+3. **Matmul slowdown while draining.** The DMA drain shares HBM and PCIe with the engine's
    compute. A separate process (this script with ``--drain-worker``) runs a block-mode producer
-   and its ``--discard`` consumer flat out while this process times bf16 8192^3 matmuls. Two
-   worker modes: ``capture`` (the full ``capture_step`` path, per the goal; its D2D slot writes
-   run in another CUDA context, where they may time-slice with the matmul, unlike in a real
-   engine) and ``announce`` (slots announced without being rewritten: the DMA drain alone).
-   Goal < 1 %.
+   and its ``--discard`` consumer flat out while this process times bf16 8192^3 matmuls. The
+   worker calls ``capture_step`` flat out (its D2D slot writes run in another CUDA context, where
+   they may time-slice with the matmul, unlike in a real engine); ``engine`` runs the same capture
+   on a thread of the matmul's own process, the real topology. Goal < 1 %.
 
 Everything is written to one JSON (command, commit, versions, GPU, settings, results, goals) and
 printed as Markdown tables. A section that fails is recorded as an error; the others still run.
@@ -62,7 +59,6 @@ if str(ROOT) not in sys.path:  # `python benchmarks/gpu_ring.py` puts benchmarks
 
 from hscapture import CaptureConfig, Producer  # noqa: E402
 from hscapture.config import Policy  # noqa: E402
-from hscapture.producer.graph import GraphRingWriter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MiB = 1 << 20
@@ -78,18 +74,12 @@ DESCRIPTIONS = [f"synthetic random bf16 rows standing in for layer {k}" for k in
 ]
 #: Slots of the drain ring (section 1 and the drain worker).
 DRAIN_SLOTS = 16
-#: Slots of the host-time ring (section 2): room for a 4096-row step plus graph scratch slots.
+#: Slots of the host-time ring (section 2): room for two 4096-row steps.
 HOST_SLOTS = 32
 HOST_HIDDEN = (4096, 7168)
-HOST_ROWS = (1, 64, 4096)
-KERNEL_HIDDEN = (4096, 7168)
-KERNEL_BATCH = (64, 256)
-#: Writes per graph for the launch-free kernel timing.
-UNROLL = 50
+HOST_ROWS = (1, 64, 256, 4096)
 MATMUL_N = 8192
-#: An upper bound on the SM clock (H200: 1.98 GHz), to turn seconds into torch.cuda._sleep cycles.
-SLEEP_HZ = 2.0e9
-IDS = ["r"]
+IDS = ("r",)
 
 _children: list[subprocess.Popen[Any]] = []
 _endpoints: list[str] = []
@@ -211,16 +201,13 @@ def attach(producer: Producer, consumer: subprocess.Popen[Any], timeout_s: float
 
 
 def wait_released(producer: Producer, consumer: subprocess.Popen[Any] | None, timeout_s: float = 60.0) -> None:
-    """Serve releases until no slot is in flight.
-
-    Reads ``Producer._in_flight``: the producer has no public "all released" query, and close()
-    (the only public wait) ends the run.
-    """
+    """Announce what is held, then serve releases until no slot is in flight (close() would end the run)."""
     deadline = time.monotonic() + timeout_s
-    while producer._in_flight:
+    producer.poll()
+    while producer.ledger.in_flight:
         _check_consumer(consumer, "draining")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(producer._in_flight)} slots still in flight after {timeout_s:.0f} s")
+            raise RuntimeError(f"{len(producer.ledger.in_flight)} slots still in flight after {timeout_s:.0f} s")
         producer.poll()
         time.sleep(50e-6)
 
@@ -229,7 +216,7 @@ def prime(producer: Producer, consumer: subprocess.Popen[Any], states: Sequence[
     """Attach, then one step all the way round: the consumer has opened the ring and its CUDA context."""
     attach(producer, consumer)
     positions, tokens = row_meta(rows)
-    producer.capture_step(states, IDS, [rows], positions, tokens)
+    producer.capture_step(states, IDS, (rows,), positions, tokens)
     torch.cuda.synchronize()
     wait_released(producer, consumer, timeout_s=120.0)
 
@@ -288,16 +275,6 @@ def safe_machine() -> dict[str, Any]:
         return machine()
     except Exception as exc:  # never lose the results for want of a version string
         return {"error": f"{type(exc).__name__}: {exc}", "platform": platform.platform(), "torch": torch.__version__}
-
-
-def gpu_sleep(seconds: float) -> None:
-    """Keep the stream busy so that work queued next starts back to back (no launch gaps)."""
-    sleep = getattr(torch.cuda, "_sleep", None)
-    if sleep is not None and seconds > 0:
-        sleep(int(seconds * SLEEP_HZ))
-
-
-# ---------------------------------------------------------------------------------------------- 1. drain
 
 
 def bench_drain(args: argparse.Namespace) -> dict[str, Any]:
@@ -368,7 +345,7 @@ def bench_drain(args: argparse.Namespace) -> dict[str, Any]:
                     "chunks_timed": counters.chunks_announced - announced,
                     "rows_dropped": counters.rows_dropped,
                     "credit_waits": counters.credit_waits,
-                    "all_released": not producer._in_flight,
+                    "all_released": not producer.ledger.in_flight,
                     "consumer_exit": finish_consumer(consumer),
                 }
             )
@@ -405,23 +382,6 @@ def bench_drain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- 2. host time
-
-
-def capture_write_graph(writer: GraphRingWriter, states: Sequence[torch.Tensor], inner: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph holding only ``inner`` calls of ``writer.write(states)`` (plan() must come first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture, as torch's graph docs ask
-        for _ in range(3):
-            writer.write(states)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            writer.write(states)
-    torch.cuda.synchronize()
-    return graph
 
 
 def run_timed(
@@ -469,27 +429,37 @@ def capture_timer(
     return step
 
 
+def copy_graph(producer: Producer, states: Sequence[torch.Tensor]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph holding only the producer's ring copy of ``states`` (its static outputs)."""
+    copy = producer.graph_rows()
+    if copy is None:
+        raise RuntimeError("the producer's graph copy is unavailable (its kernels did not compile)")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copy.capture(states)
+    return graph
+
+
 def graph_timer(
-    writer: GraphRingWriter,
-    graph: torch.cuda.CUDAGraph,
-    rows: int,
-    positions: np.ndarray,
-    tokens: np.ndarray,
-    replay_us: list[float],
+    producer: Producer, graph: torch.cuda.CUDAGraph, states: Sequence[torch.Tensor], rows: int, replay_us: list[float]
 ) -> Callable[[], int]:
-    """plan(); replay; commit() per call; returns the host nanoseconds of plan() + commit()."""
-    counts = [rows]
+    """Replay, then ``capture_step`` of the graph's outputs (it plans the replay's copy); returns the host
+    nanoseconds of ``launched()`` + ``capture_step``."""
+    copy = producer.graph_rows()
+    assert copy is not None
+    counts = (rows,)
+    positions, tokens = row_meta(rows)
 
     def step() -> int:
         t0 = time.perf_counter_ns()
-        writer.plan()
-        t1 = time.perf_counter_ns()
         graph.replay()
+        t1 = time.perf_counter_ns()
+        copy.launched()
+        producer.capture_step(states, IDS, counts, positions, tokens)
         t2 = time.perf_counter_ns()
-        writer.commit(rows, IDS, counts, positions, tokens)
-        t3 = time.perf_counter_ns()
-        replay_us.append((t2 - t1) / 1e3)
-        return (t1 - t0) + (t3 - t2)
+        replay_us.append((t1 - t0) / 1e3)
+        return t2 - t1
 
     return step
 
@@ -504,17 +474,16 @@ def summary(samples: Sequence[float]) -> dict[str, float]:
 
 
 def bench_host(args: argparse.Namespace) -> dict[str, Any]:
-    """Host time of capture_step, and of plan()+commit() around a graph replay, under ``drop``."""
+    """Host time of capture_step of eager states, and after a replay of a graph holding the copy, under ``drop``."""
     slot = args.slot_mib * MiB
     rows_out: list[dict[str, Any]] = []
     for hidden in HOST_HIDDEN:
         per_slot = rows_per_slot(hidden, slot)
         max_rows = max(HOST_ROWS)
-        num_slots = max(HOST_SLOTS, 2 * math.ceil(max_rows / per_slot) + 4)  # +4: graph writers' scratch slots
+        num_slots = max(HOST_SLOTS, 2 * math.ceil(max_rows / per_slot))
         config = make_config(endpoint(f"host{hidden}"), hidden, "drop", slot, num_slots, max_rows)
         consumer = start_consumer(config.endpoint)
         producer = make_producer(config)
-        reserved = 0
         try:
             prime(producer, consumer, random_states(1, hidden), 1)
             for rows in HOST_ROWS:
@@ -537,53 +506,33 @@ def bench_host(args: argparse.Namespace) -> dict[str, Any]:
                 )
             for rows in HOST_ROWS:
                 if rows > per_slot:
-                    for use_kernel in (True, False):
-                        rows_out.append(
-                            {
-                                "hidden": hidden,
-                                "rows": rows,
-                                "path": f"graph plan+commit ({'kernel' if use_kernel else 'index_copy_'})",
-                                "skipped": f"batch_rows {rows} > {per_slot} rows per slot; graphs are for "
-                                "decode batches that fit one slot",
-                            }
-                        )
-                    continue
-                states = random_states(rows, hidden)
-                positions, tokens = row_meta(rows)
-                counts = [rows]
-                for use_kernel in (True, False):
-                    name = f"graph plan+commit ({'kernel' if use_kernel else 'index_copy_'})"
-                    reserved += 1  # the writer takes a scratch slot for good, even if it then fails
-                    try:
-                        writer = GraphRingWriter(producer, batch_rows=rows, use_kernel=use_kernel)
-                        writer.plan()
-                        graph = capture_write_graph(writer, states, 1)
-                        writer.commit(rows, IDS, counts, positions, tokens)  # the warm-up writes go out as one chunk
-                        replay_us: list[float] = []
-                        graph_step = graph_timer(writer, graph, rows, positions, tokens, replay_us)
-                        interval = max(1, min(16, num_slots - reserved))
-                        samples, dropped = run_timed(
-                            graph_step, producer, consumer, args.calls, args.warmup_calls, interval
-                        )
-                    except Exception as exc:  # e.g. use_kernel=True where NVRTC cannot compile: record, go on
-                        report_error(exc)
-                        rows_out.append(
-                            {"hidden": hidden, "rows": rows, "path": name, "error": f"{type(exc).__name__}: {exc}"}
-                        )
-                        continue
                     rows_out.append(
                         {
                             "hidden": hidden,
                             "rows": rows,
-                            "path": name,
-                            "uses_kernel": writer.uses_kernel,
-                            "sync_every": interval,
-                            **summary(samples),
-                            "replay_launch_median_us": round(median(replay_us[args.warmup_calls :]), 2),
-                            "rows_dropped": dropped,
+                            "path": "graph replay + capture_step",
+                            "skipped": f"{rows} rows > {per_slot} rows per slot; graphs are for decode batches",
                         }
                     )
-                    del graph
+                    continue
+                states = random_states(rows, hidden)
+                graph = copy_graph(producer, states)
+                replay_us: list[float] = []
+                graph_step = graph_timer(producer, graph, states, rows, replay_us)
+                interval = max(1, min(16, num_slots))
+                samples, dropped = run_timed(graph_step, producer, consumer, args.calls, args.warmup_calls, interval)
+                rows_out.append(
+                    {
+                        "hidden": hidden,
+                        "rows": rows,
+                        "path": "graph replay + capture_step",
+                        "sync_every": interval,
+                        **summary(samples),
+                        "replay_launch_median_us": round(median(replay_us[args.warmup_calls :]), 2),
+                        "rows_dropped": dropped,
+                    }
+                )
+                del graph
         finally:
             producer.close(timeout_s=60.0)
             finish_consumer(consumer)
@@ -595,105 +544,13 @@ def bench_host(args: argparse.Namespace) -> dict[str, Any]:
         "calls": args.calls,
         "warmup_calls": args.warmup_calls,
         "rows": rows_out,
-        "note": "host wall time (perf_counter_ns) of each call, no synchronize inside; graph rows time plan() + "
-        "commit() only (replay launch reported apart); synchronize + release wait + 1 ms sleep every sync_every "
-        "calls, untimed",
+        "note": "host wall time (perf_counter_ns) of each call, no synchronize inside; graph rows time launched() + "
+        "capture_step only (replay launch reported apart); the same request tuples every call (steps share a slot, "
+        "announced together); synchronize + release wait + 1 ms sleep every sync_every calls, untimed",
     }
 
 
-# ---------------------------------------------------------------------------------------------- 3. kernel
-
-
-def time_replays(graph: torch.cuda.CUDAGraph, replays: int, repeats: int) -> tuple[float, float]:
-    """Median GPU and host microseconds per replay over ``repeats`` batches of ``replays`` replays.
-
-    Each batch is queued behind a GPU sleep longer than its launches take, so the replays run
-    back to back and the events time the GPU, not the host's launch rate.
-    """
-    started = time.perf_counter()
-    for _ in range(replays):  # warm-up, and the launch-time estimate for the sleep
-        graph.replay()
-    launch_s = time.perf_counter() - started
-    torch.cuda.synchronize()
-    gpu: list[float] = []
-    host: list[float] = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        gpu_sleep(min(0.5, 1.5 * launch_s + 0.002))
-        start.record()
-        h0 = time.perf_counter()
-        for _ in range(replays):
-            graph.replay()
-        h1 = time.perf_counter()
-        end.record()
-        end.synchronize()
-        gpu.append(start.elapsed_time(end) * 1e3 / replays)
-        host.append((h1 - h0) * 1e6 / replays)
-    return median(gpu), median(host)
-
-
-def bench_kernel(args: argparse.Namespace) -> dict[str, Any]:
-    """GPU time of the graph-captured ring write: fused NVRTC kernel vs index_copy_ fallback."""
-    slot = args.slot_mib * MiB
-    rows_out: list[dict[str, Any]] = []
-    for hidden in KERNEL_HIDDEN:
-        for batch in KERNEL_BATCH:
-            states = random_states(batch, hidden)
-            row: dict[str, Any] = {
-                "hidden": hidden,
-                "batch_rows": batch,
-                "bytes_per_write": batch * TENSORS * hidden * ITEMSIZE,
-            }
-            for use_kernel in (True, False):
-                key = "kernel" if use_kernel else "fallback"
-                ep = endpoint(f"kernel{hidden}-{batch}-{key}")
-                # No consumer: under drop, plan() hands out the reserved scratch slot every time.
-                # max_step_rows capped so the config is valid; GraphRingWriter says if a batch cannot fit a slot.
-                config = make_config(ep, hidden, "drop", slot, 2, min(batch, rows_per_slot(hidden, slot)))
-                producer = make_producer(config)
-                try:
-                    writer = GraphRingWriter(producer, batch_rows=batch, use_kernel=use_kernel)
-                    target = writer.plan()
-                    single = capture_write_graph(writer, states, 1)
-                    unrolled = capture_write_graph(writer, states, UNROLL)
-                    gpu_us, host_us = time_replays(single, args.replays, args.repeats)
-                    unrolled_us, _ = time_replays(unrolled, max(1, args.replays // UNROLL), args.repeats)
-                    written = producer.ring.slot(target).view(DTYPE)[: TENSORS * batch * hidden]
-                    written = written.view(TENSORS, batch, hidden)
-                    exact = all(torch.equal(written[t], states[t]) for t in range(TENSORS))
-                    row[key] = {
-                        "uses_kernel": writer.uses_kernel,
-                        "us_per_replay": round(gpu_us, 3),
-                        "host_launch_us_per_replay": round(host_us, 3),
-                        "us_per_write_unrolled": round(unrolled_us / UNROLL, 3),
-                        "gbps_unrolled": round(row["bytes_per_write"] * UNROLL / unrolled_us / 1e3, 1),
-                        "bitwise_ok": exact,
-                    }
-                    del single, unrolled, written
-                except Exception as exc:  # e.g. use_kernel=True where NVRTC cannot compile: record, go on
-                    report_error(exc)
-                    row[key] = {"error": f"{type(exc).__name__}: {exc}"}
-                finally:
-                    producer.close(timeout_s=5.0)
-            kernel, fallback = row.get("kernel", {}), row.get("fallback", {})
-            for metric, label in (("us_per_replay", "winner"), ("us_per_write_unrolled", "winner_unrolled")):
-                if metric in kernel and metric in fallback:
-                    row[label] = "kernel" if kernel[metric] < fallback[metric] else "fallback"
-            rows_out.append(row)
-    return {
-        "tensors": TENSORS,
-        "dtype": "bfloat16",
-        "replays": args.replays,
-        "repeats": args.repeats,
-        "unroll": UNROLL,
-        "rows": rows_out,
-        "note": "us_per_replay: CUDA events around `replays` replays of a graph holding one write, queued behind "
-        "torch.cuda._sleep so launches do not gate them (compare host_launch_us_per_replay: if close, the figure "
-        "is launch-bound); us_per_write_unrolled: a graph of `unroll` writes, event time / writes",
-    }
-
-
-# ---------------------------------------------------------------------------------------------- 4. matmul
+# ---------------------------------------------------------------------------------------------- 3. matmul
 
 
 def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
@@ -740,7 +597,7 @@ def bench_matmul(args: argparse.Namespace) -> dict[str, Any]:
     run()  # warm-up: cuBLAS handle, heuristics, clocks
     alone_before = [run() for _ in range(args.repeats)]
     modes: dict[str, Any] = {}
-    for mode in ("plain", "capture", "announce"):
+    for mode in ("plain", "capture"):
         command = [sys.executable, str(Path(__file__).resolve()), "--drain-worker", "--seconds", "300"]
         command += ["--endpoint", endpoint(f"worker-{mode}"), "--worker-mode", mode, "--slot-mib", str(args.slot_mib)]
         worker = subprocess.Popen(command, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -798,10 +655,9 @@ def bench_matmul(args: argparse.Namespace) -> dict[str, Any]:
     out["note"] = (
         "alone = median of repeats before and after the drain runs; slowdown = time during / time alone - 1; "
         "during_capture: the worker calls capture_step (its D2D slot writes run in another CUDA context and "
-        "may time-slice with the matmul); during_announce: slots announced without rewriting them (the DMA drain "
-        "alone); during_engine: the real topology, matmul in the producer's own process while its consumer "
-        "drains (the goal is held against this one); during_plain: control without hscapture, one process "
-        "doing plain pinned D2H copies; "
+        "may time-slice with the matmul); during_engine: the real topology, matmul in the producer's own process "
+        "while a thread of it captures and its consumer drains (the goal is held against this one); "
+        "during_plain: control without hscapture, one process doing plain pinned D2H copies; "
         "drain_gbps: the worker's bytes from 'ready' to the end"
     )
     return out
@@ -811,8 +667,8 @@ def matmul_in_engine(args: argparse.Namespace, run: Callable[[], float]) -> dict
     """The real topology: the matmul runs in the producer's own process (the engine), as a model
     forward would, and only the consumer is another process, draining by DMA.
 
-    A thread of this process announces ring slots (each slot's event recorded on its own side
-    stream) as fast as the consumer releases them, while the main thread times the matmuls.
+    A thread of this process captures whole slots (``capture_step`` on its own side stream) as fast as
+    the consumer releases them, while the main thread times the matmuls.
     """
     slot = args.slot_mib * MiB
     rows = rows_per_slot(args.hidden, slot)
@@ -823,20 +679,20 @@ def matmul_in_engine(args: argparse.Namespace, run: Callable[[], float]) -> dict
     stop = threading.Event()
     announced = [0]
 
-    def announce() -> None:
+    states = random_states(rows, args.hidden)
+
+    def capture() -> None:
         positions, tokens = row_meta(rows)
         with torch.cuda.stream(torch.cuda.Stream()):
             while not stop.is_set():
-                slot_index = producer.acquire_slot()
-                if slot_index is None:
-                    time.sleep(50e-6)
-                    continue
-                if producer.announce_written(slot_index, rows, 0, IDS, [rows], positions, tokens):
+                if producer.capture_step(states, IDS, [rows], positions, tokens):
                     announced[0] += 1
+                else:
+                    time.sleep(50e-6)  # no free slot (drop): the consumer is behind
 
     try:
-        prime(producer, consumer, random_states(rows, args.hidden), rows)
-        thread = threading.Thread(target=announce, name="announce", daemon=True)
+        prime(producer, consumer, states, rows)
+        thread = threading.Thread(target=capture, name="capture", daemon=True)
         thread.start()
         time.sleep(0.2)  # the drain reaches steady state
         started, before = time.perf_counter(), announced[0]
@@ -903,20 +759,11 @@ def drain_worker(args: argparse.Namespace) -> int:
     try:
         states = random_states(rows, hidden)
         positions, tokens = row_meta(rows)
-        counts = [rows]
+        counts = [rows]  # a list: every step is a chunk of its own (no run)
         prime(producer, consumer, states, rows)
-        if args.worker_mode == "capture":
 
-            def step() -> None:
-                producer.capture_step(states, IDS, counts, positions, tokens)
-
-        else:
-
-            def step() -> None:
-                slot_index = producer.acquire_slot()
-                if slot_index is None:
-                    raise RuntimeError("block policy returned no slot")
-                producer.announce_written(slot_index, rows, 0, IDS, counts, positions, tokens)
+        def step() -> None:
+            producer.capture_step(states, IDS, counts, positions, tokens)
 
         for _ in range(2 * DRAIN_SLOTS):
             step()
@@ -982,35 +829,12 @@ def print_tables(results: dict[str, Any], goals: dict[str, Any]) -> None:
                     f"| {r['hidden']} | {r['rows']} | {r['path']} | {r['median_us']:.1f} | {r['p90_us']:.1f} | "
                     f"{r['rows_dropped']} |"
                 )
-    kernel = results.get("kernel_vs_fallback", {})
-    if "rows" in kernel:
-        print("\n### Graph ring write: fused kernel vs index_copy_ fallback (µs)\n")
-        print(
-            "| hidden | batch | kernel /replay | fallback /replay | kernel /write unrolled | "
-            "fallback /write unrolled | winner (replay / unrolled) |\n|---:|---:|---:|---:|---:|---:|---|"
-        )
-        for r in kernel["rows"]:
-            k, f = r.get("kernel", {}), r.get("fallback", {})
-            print(
-                f"| {r['hidden']} | {r['batch_rows']} | {_fmt(k.get('us_per_replay'), '.2f')} | "
-                f"{_fmt(f.get('us_per_replay'), '.2f')} | {_fmt(k.get('us_per_write_unrolled'), '.2f')} | "
-                f"{_fmt(f.get('us_per_write_unrolled'), '.2f')} | {r.get('winner', '—')} / "
-                f"{r.get('winner_unrolled', '—')} |"
-            )
-        failures = [
-            f"- hidden {r['hidden']} batch {r['batch_rows']} {key}: {r[key]['error']}"
-            for r in kernel["rows"]
-            for key in ("kernel", "fallback")
-            if "error" in r.get(key, {})
-        ]
-        if failures:
-            print("\n" + "\n".join(failures))
     mm = results.get("matmul", {})
     if "alone" in mm:
         print(f"\n### bf16 {MATMUL_N}³ matmul while another process drains\n")
         print("| condition | TFLOP/s | slowdown % | drain GB/s |\n|---|---:|---:|---:|")
         print(f"| alone | {mm['alone']['tflops']:.1f} | — | — |")
-        for mode in ("plain", "engine", "capture", "announce"):
+        for mode in ("plain", "engine", "capture"):
             d = mm.get(f"during_{mode}")
             if d and "error" in d:
                 print(f"| during drain ({mode}) | — | — | {d['error']} |")
@@ -1050,7 +874,6 @@ def compute_goals(results: dict[str, Any]) -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "drain": bench_drain,
     "host_time": bench_host,
-    "kernel_vs_fallback": bench_kernel,
     "matmul": bench_matmul,
 }
 
@@ -1064,14 +887,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="repeats per measurement (default 5, --quick 3)")
     parser.add_argument("--calls", type=int, help="timed calls per host-time case (default 200, --quick 100)")
     parser.add_argument("--warmup-calls", type=int, default=20, help="untimed calls first (default 20)")
-    parser.add_argument("--replays", type=int, default=1000, help="graph replays per timing (default 1000)")
     parser.add_argument("--matmuls", type=int, help="matmuls per timing (default 50, --quick 20)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list of: " + ", ".join(SECTIONS))
     worker = parser.add_argument_group("drain worker (internal: spawned by the matmul section)")
     worker.add_argument("--drain-worker", action="store_true", help=argparse.SUPPRESS)
     worker.add_argument("--seconds", type=float, default=10.0, help="worker: capture this long at most")
     worker.add_argument("--endpoint", help="worker: producer endpoint")
-    worker.add_argument("--worker-mode", choices=("plain", "capture", "announce"), default="capture")
+    worker.add_argument("--worker-mode", choices=("plain", "capture"), default="capture")
     worker.add_argument("--hidden", type=int, default=4096, help="worker: hidden size")
     args = parser.parse_args(argv)
     args.gib = args.gib if args.gib is not None else (1.0 if args.quick else 8.0)
@@ -1080,8 +902,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.matmuls = args.matmuls if args.matmuls is not None else (20 if args.quick else 50)
     if args.out is None:
         args.out = RESULTS / ("gpu-ring-h200-quick.json" if args.quick else "gpu-ring-h200.json")
-    if args.slot_mib < 1 or args.repeats < 1 or args.calls < 1 or args.replays < UNROLL:
-        parser.error(f"--slot-mib, --repeats and --calls must be >= 1 and --replays >= {UNROLL}")
+    if args.slot_mib < 1 or args.repeats < 1 or args.calls < 1:
+        parser.error("--slot-mib, --repeats and --calls must be >= 1")
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         parser.error(f"--sections: unknown {sorted(unknown)}; choose from {list(SECTIONS)}")
@@ -1139,7 +961,6 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "calls": args.calls,
             "warmup_calls": args.warmup_calls,
-            "replays": args.replays,
             "matmuls": args.matmuls,
             "layers": list(LAYERS),
             "capture_last": True,

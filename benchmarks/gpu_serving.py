@@ -12,9 +12,10 @@ repeat by repeat (order rotated; repeat 0 is warm-up and not reported), medians 
 wall time:
 
 * ``off``: the loop alone;
-* ``drop`` / ``block``: hscapture with a consumer process writing a store to disk; decode writes
-  the ring inside the graph (``GraphRingWriter``: ``plan()`` before replay, ``commit()`` after),
-  prefill calls ``Producer.capture_step``;
+* ``drop`` / ``block``: hscapture with a consumer process writing a store to disk, through its
+  engine-facing API: decode graphs hold the producer's ring copy (``Producer.graph_rows``), and after
+  each replay ``capture_step`` of the graph's outputs only plans where its rows go; prefill calls
+  ``capture_step`` on the eager states;
 * ``dump``: the usual engine patch, synchronous ``.cpu()`` + ``torch.save`` every step;
 * ``tolist``: SGLang's built-in path, ``.cpu().clone().tolist()`` per request every step (the
   capture set is a graph output, as SGLang's aux hidden states are);
@@ -53,7 +54,6 @@ from hscapture import CaptureConfig, Producer, open_store
 from hscapture.config import MiB
 from hscapture.consumer import consume_command
 from hscapture.integrations.hf import describe, eagle3_default_layers
-from hscapture.producer.graph import GraphRingWriter
 
 GiB = 1 << 30
 VARIANTS = ("off", "drop", "block", "dump", "tolist")
@@ -176,8 +176,8 @@ class StepMeta:
     """Host-side facts of one step, as an engine holds them: which request owns which row."""
 
     rows: int
-    request_ids: list[str]
-    request_rows: list[int]
+    request_ids: Sequence[str]
+    request_rows: Sequence[int]
     positions: np.ndarray
     token_ids: np.ndarray
     #: The step was a graph replay: its states live only in the graph (and wherever it wrote them).
@@ -211,20 +211,24 @@ class Variant:
 
 
 class RingWrites(Variant):
-    """The in-graph ring write: one ``GraphRingWriter`` per graphed batch size, writing inside the graph."""
+    """The ring write inside each decode graph: the producer's graph copy (``Producer.graph_rows``), captured
+    after the forward; every replay's rows then go where the host plans them, with no launch."""
 
     def __init__(self, producer: Producer) -> None:
         self.producer = producer
-        self.writers: dict[int, GraphRingWriter] = {}
+        self.copy = producer.graph_rows() if producer.config.device == "cuda" else None
+        #: The graph's static outputs per batch size: what each replay's copy takes.
+        self.outputs: dict[int, list[torch.Tensor]] = {}
 
     def inside(self, rows: int, states: Sequence[torch.Tensor]) -> None:
-        writer = self.writers.get(rows)
-        if writer is not None:
-            writer.write(states)
+        if self.copy is not None and torch.cuda.is_current_stream_capturing():
+            self.copy.capture(states)
+            self.outputs[rows] = list(states)
 
 
 class RingVariant(RingWrites):
-    """hscapture: the graph-safe ring write under replay, ``capture_step`` in an eager step."""
+    """hscapture through its engine-facing API: ``capture_step`` after every step (after a replay, of the graph's
+    outputs, whose copy it plans), the same request tuples step after step while the batch does not change."""
 
     def __init__(self, producer: Producer, consumer: subprocess.Popen[Any]) -> None:
         super().__init__(producer)
@@ -232,46 +236,36 @@ class RingVariant(RingWrites):
         self.name = producer.config.policy
         self.graph_key = f"ring-{self.name}"
 
-    def prepare(self, rows: int, graphed: bool) -> None:
-        if graphed:
-            self.writers[rows] = GraphRingWriter(self.producer, batch_rows=rows)
-
-    def before(self, meta: StepMeta) -> None:
-        if meta.graphed:
-            self.writers[meta.rows].plan()
-
     def after(self, meta: StepMeta, states: Sequence[torch.Tensor] | None) -> None:
         if meta.graphed:
-            self.writers[meta.rows].commit(
-                meta.rows, meta.request_ids, meta.request_rows, meta.positions, meta.token_ids
-            )
-        else:
-            assert states is not None
-            self.producer.capture_step(states, meta.request_ids, meta.request_rows, meta.positions, meta.token_ids)
+            self.copy.launched()  # type: ignore[union-attr]
+            states = self.outputs[meta.rows]
+        self.producer.capture_step(states, meta.request_ids, meta.request_rows, meta.positions, meta.token_ids)  # type: ignore[arg-type]
 
     def finish(self, request_ids: Sequence[str], num_tokens: int) -> None:
         for request_id in request_ids:
             self.producer.finish_request(request_id, "finished", num_tokens=num_tokens)
 
     def settle(self) -> None:
+        self.producer.poll()
         gpu_ring.wait_released(self.producer, self.consumer, timeout_s=300.0)
 
 
 class WriteOnlyVariant(RingWrites):
-    """Diagnostic (decode under graphs): the in-graph ring write alone, no host hooks, no consumer.
+    """Diagnostic (decode under graphs): the in-graph ring write alone, no consumer and no announcement.
 
     Beside ``off`` it gives the write's GPU cost; ``drop``/``block`` beside it, what the host
-    hooks and the consumer's copy-out add. Its producer has no consumer, so ``plan()`` hands out
-    the scratch slot, once, and the graph writes there on every replay.
+    hooks and the consumer's copy-out add. Its producer has no consumer: every replay's copy writes
+    slot 0 (one plan entry per replay, the least a host can do for it).
     """
 
     name = "write-only"
     graph_key = "write-only"
 
-    def prepare(self, rows: int, graphed: bool) -> None:
-        if graphed:
-            self.writers[rows] = GraphRingWriter(self.producer, batch_rows=rows)
-            self.writers[rows].plan()
+    def after(self, meta: StepMeta, states: Sequence[torch.Tensor] | None) -> None:
+        if meta.graphed:
+            self.copy.launched()  # type: ignore[union-attr]
+            self.copy.plan(0, 0, meta.rows, 0, meta.rows)  # type: ignore[union-attr]
 
 
 class StaticOutputVariant(Variant):
@@ -442,12 +436,11 @@ class ServingLoop:
         self.start_capture()
         info: dict[str, Any] = {"policies": list(self.producers), "ring": self.producers["block"].config.to_dict()}
         if self.settings["graphs"]:
-            info["graph_ring_write"] = "fused NVRTC kernel" if self._uses_kernel() else "index_copy_ fallback"
+            copies = [v.copy for v in self.variants if isinstance(v, RingWrites)]
+            if not all(copies):
+                raise RuntimeError("the producer's graph copy is unavailable here (its kernels did not compile)")
             info.update(self.capture_graphs())
         return info
-
-    def _uses_kernel(self) -> bool:
-        return all(w.uses_kernel for v in self.variants if isinstance(v, RingVariant) for w in v.writers.values())
 
     def decode_body(self, bs: int, variant: Variant) -> list[torch.Tensor]:
         """One decode step on the static inputs of batch ``bs``; advances them for the next step."""
@@ -518,8 +511,9 @@ class ServingLoop:
         ids, _ = self.static[bs]
         tokens = [self.reset(bs)]
         graph = self.graphs.get((variant.graph_key, bs))
-        request_ids = [f"{variant.name}-bs{bs}-r{repeat}-{i}" for i in range(bs)]
-        request_rows = [1] * bs
+        # Tuples, the same ones step after step: what an engine hands over while its batch does not change.
+        request_ids = tuple(f"{variant.name}-bs{bs}-r{repeat}-{i}" for i in range(bs))
+        request_rows = (1,) * bs
 
         def meta(step: int) -> StepMeta:
             return StepMeta(bs, request_ids, request_rows, np.full(bs, context + step), tokens[0], graph is not None)

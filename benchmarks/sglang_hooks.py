@@ -119,10 +119,10 @@ class FloorCapture(SGLangCapture):
             return super().after_forward(result, worker, batch, *args, **kwargs)
         output, producer = result.logits_output, self.producer
         states = (output.hidden_states, output.last_hidden_states)
-        slot = producer._free.popleft()
-        producer._write(slot, states, (len(LAYERS), 1), None, 0, states[0].shape[0])
+        slot = producer.ledger.take()
+        producer._copier.write(slot, states, (len(LAYERS), 1), None, 0, states[0].shape[0])
         producer.ring.mark_written(slot)
-        producer._free.append(slot)
+        producer.ledger.give_back(slot)
 
     def after_batch_result(self, result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
         if not batch.forward_mode.is_decode():
@@ -290,7 +290,7 @@ def main() -> None:
     per_step.run_steps = 1
     torch_write = SGLangCapture(deferred.settings)
     graph = SGLangCapture(deferred.settings)
-    row_kernel = deferred.producer._row_kernel
+    row_kernel = deferred.producer._copier._kernel
     for other in (sync, floor, per_step, torch_write, graph):
         other.producer, other.layers, other.hidden, other.checked = (
             deferred.producer,
@@ -314,7 +314,7 @@ def main() -> None:
                 ("floor", floor),
             ]
             for name, capture in variants if n % 2 == 0 else variants[::-1]:
-                capture.producer._row_kernel = None if name == "deferred-torch" else row_kernel
+                capture.producer._copier._kernel = None if name == "deferred-torch" else row_kernel
                 profile = name == GOAL_VARIANT and batch == GOAL_BATCH
                 result = measure(capture, batch, args, first, profile, graph=name == "graph")
                 results.setdefault(str(batch), {})[name] = result

@@ -468,7 +468,7 @@ def device_fp8_cost(device: torch.device, hidden: int, slot_mib: int, repeats: i
 
     Times, with CUDA events on one stream (medians of ``repeats``): :func:`~hscapture.fp8.quantize_into`
     of a ``[tensors, rows, hidden]`` bf16 slot into codes, scales and counts; the CRC-32 of each row of
-    codes (``csrc/crc32_rows.cu``); a device-to-device copy of the slot; the copy of
+    codes (``hscapture/csrc/crc32_rows.cu``); a device-to-device copy of the slot; the copy of
     the slot to pinned host memory, and of its codes and scales.
     """
     tensors = len(LAYERS) + 1
