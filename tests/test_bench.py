@@ -26,8 +26,9 @@ from hscapture.integrations.hf import eagle3_default_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {
-    "decode_tok_s_bs16_up",
+    "decode_tok_s",
     "prefill_tok_s",
+    "host_us_per_decode_step",
     "faster_than_tolist",
     "drain_vs_pinned_d2h",
     "store_vs_raw_disk",
