@@ -74,8 +74,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "repeats": 5,
         "prefill_tokens": 8192,
         "prefill_seqs": 4,
-        "prefill_steps": 2,
-        "prefill_repeats": 3,
+        "prefill_steps": 6,
+        "prefill_repeats": 5,
         "slot_mib": 32,
         "ring_slots": 32,
         "drain_gib": 4.0,
@@ -535,12 +535,14 @@ class ServingLoop:
         variant.settle()
         return timing
 
-    def time_prefill(self, variant: Variant, repeat: int) -> Timing:
-        """``prefill_steps`` eager batches of ``prefill_tokens`` (equal-length sequences)."""
+    def time_prefill(self, variant: Variant, repeat: int, steps: int | None = None) -> Timing:
+        """``steps`` (default ``prefill_steps``) eager batches of ``prefill_tokens`` (equal-length sequences); on a
+        GPU each forward's own time is taken with events too."""
         s = self.settings
         seqs, length, total = s["prefill_seqs"], self.prefill_len, s["prefill_tokens"]
         positions = np.tile(np.arange(length, dtype=np.int64), seqs)
-        prompts = [self.prompts[step % len(self.prompts)] for step in range(s["prefill_steps"])]
+        prompts = [self.prompts[step % len(self.prompts)] for step in range(steps or s["prefill_steps"])]
+        events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         request_ids = [
             [f"{variant.name}-pf-r{repeat}-s{step}-{i}" for i in range(seqs)] for step in range(len(prompts))
         ]
@@ -550,9 +552,13 @@ class ServingLoop:
             return StepMeta(total, request_ids[step], [length] * seqs, positions, prompts[step].reshape(-1), False)
 
         def forward(step: int) -> list[torch.Tensor]:
-            states, next_tokens = self.engine.prefill(
-                self.prefill_cache, torch.from_numpy(prompts[step]).to(self.device)
-            )
+            inputs = torch.from_numpy(prompts[step]).to(self.device)
+            if self.device.type == "cuda":
+                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                events[-1][0].record()
+            states, next_tokens = self.engine.prefill(self.prefill_cache, inputs)
+            if events:
+                events[-1][1].record()
             variant.inside(total, states)
             next_ids[:] = [next_tokens]
             return states
@@ -561,6 +567,7 @@ class ServingLoop:
             next_ids[0].cpu()
 
         timing = self._timed(variant, len(prompts), meta, forward, read_back)
+        timing.gpu_ms = [start.elapsed_time(end) for start, end in events]  # synchronized by _timed
         variant.finish([rid for ids in request_ids for rid in ids], length)
         variant.settle()
         return timing
@@ -614,6 +621,8 @@ class Timing:
     seconds: float
     before_us: float
     after_us: float
+    #: GPU milliseconds of each step's forward (events around it; eager GPU steps only).
+    gpu_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -657,6 +666,11 @@ def summarize(measured: dict[str, Measured], tokens: int, steps: int) -> dict[st
             "before_host_us_per_step": round(median([t.before_us for t in data.timings]), 1),
             "after_host_us_per_step": round(median([t.after_us for t in data.timings]), 1),
             "seconds": [round(t.seconds, 5) for t in data.timings],
+            **(
+                {"gpu_forward_ms": round(median([ms for t in data.timings for ms in t.gpu_ms]), 2)}
+                if data.timings and data.timings[0].gpu_ms
+                else {}
+            ),
             **data.counted,
         }
     return out
@@ -722,16 +736,25 @@ def bench_decode(loop: ServingLoop) -> dict[str, Any]:
 
 
 def bench_prefill(loop: ServingLoop) -> dict[str, Any]:
+    """hscapture against off over ``prefill_repeats`` rounds of ``prefill_steps`` steps; the slow baselines (a
+    prefill of theirs takes seconds) in one round of one step, beside an off loop of their own."""
     s = loop.settings
-    eager = [v for v in loop.variants if not isinstance(v, WriteOnlyVariant)]  # a graph-only diagnostic
-    measured = loop.interleaved(loop.time_prefill, s["prefill_repeats"], eager)
-    tokens = s["prefill_tokens"] * s["prefill_steps"]
+    ours = [v for v in loop.variants if v.name in ("off", *POLICIES)]
+    baselines = [v for v in loop.variants if v.name in ("off", "dump", "tolist")]
+    measured = loop.interleaved(loop.time_prefill, s["prefill_repeats"], ours)
+    once = loop.interleaved(lambda v, r: loop.time_prefill(v, r, steps=1), 1, baselines)
+    tokens, steps = s["prefill_tokens"] * s["prefill_steps"], s["prefill_steps"]
+    workload = summarize(measured, tokens, steps)
+    workload.update({k: v for k, v in summarize(once, s["prefill_tokens"], 1).items() if k != "off"})
     return {
-        "workloads": {f"prefill {s['prefill_tokens']}": summarize(measured, tokens, s["prefill_steps"])},
+        "workloads": {f"prefill {s['prefill_tokens']}": workload},
         "sequences_per_batch": s["prefill_seqs"],
-        "steps_per_loop": s["prefill_steps"],
+        "steps_per_loop": steps,
         "repeats": s["prefill_repeats"],
-        "note": "eager prefill of equal-length sequences; hscapture uses Producer.capture_step",
+        "note": "eager prefill of equal-length sequences; hscapture uses Producer.capture_step. The forward's own GPU "
+        "time varies by a few % from step to step in every variant (off too: gpu_forward_ms is the median over "
+        "steps), so hscapture runs several steps per round against off in the same round; dump and tolist (whole "
+        "seconds per step) run one step, against an off step of their round",
     }
 
 
