@@ -5,8 +5,9 @@
 Starts `hscapture serve --out DIR -- --model-path MODEL ...` (SGLang's HTTP server with the
 hscapture plugin capturing the EAGLE-3 states of every request, plus the consumer writing the
 store), sends a few chat requests with their own ids, then stops it the way a user does (SIGINT)
-and reads the store. With no --model-path it serves the embedded tiny Llama; on a host without a
-GPU, `hscapture serve` runs SGLang's CPU path.
+and reads the store: those requests and nothing else (SGLang's warm-up and health checks are not
+captured). With no --model-path it serves the embedded tiny Llama; on a host
+without a GPU, `hscapture serve` runs SGLang's CPU path.
 """
 
 import argparse

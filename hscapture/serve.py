@@ -107,6 +107,7 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
         meta={"launcher": "hscapture serve", "server_args": sglang_args},
         graph_copy=options.graph_copy,
         layers=list(plan.layers),
+        http_server=True,
     )
     env = {**os.environ, ENV: settings.to_env()}
     keys_args: list[str] = []

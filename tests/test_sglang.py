@@ -501,12 +501,18 @@ def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
     ]
     for body in again:
         results[body["rid"]] = _post(f"{base}/generate", body)
+    with urllib.request.urlopen(f"{base}/health", timeout=60) as response:  # a load balancer's probe, idle
+        assert response.status == 200
     time.sleep(2)  # the server notices the hang-ups and aborts those requests
     process.send_signal(signal.SIGINT)
     assert process.wait(180) == 0
     report = verify_store(store_dir)
     assert report.ok
     store = open_store(store_dir)
+    # Only the requests sent are stored: not SGLang's warm-up at start, nor its health checks (the fixture's and the
+    # probe above).
+    sent = {*results, *(body["rid"] for body in aborted)}
+    assert set(store.keys()) == sent, set(store.keys()) ^ sent
     aux_names = [f"layer_{k}" for k in store.metadata()["runs"][0]["meta"]["config"]["layers"]]
     for rid, reply in results.items():
         if rid.startswith("gen"):
@@ -626,6 +632,9 @@ def test_examples_run_as_written_and_extract_gives_a_store_that_passes_the_hf_en
         assert done.returncode == 0, done.stderr[-3000:]
         assert expect in done.stdout, done.stdout
 
+    # The serve example's 4 requests and nothing else (SGLang's warm-up and its health checks are not samples).
+    served = open_store(tmp_path / "sglang_serve.py")
+    assert sorted(served.keys()) == [f"example-{i}" for i in range(4)], served.keys()
     out = tmp_path / "sglang_extract.py" / "teacher"
     assert verify_store(out).ok
     store = open_store(out)

@@ -38,7 +38,7 @@ from benchmarks.sglang_standin import (
 )
 from hscapture import CaptureConfig, open_store
 from hscapture.config import SLOT_ALIGN, MiB
-from hscapture.integrations.sglang import MAX_PENDING, RUN_STEPS, SLOT_ROWS, default_slot_bytes
+from hscapture.integrations.sglang import MAX_PENDING, OWN_PARAM, RUN_STEPS, SLOT_ROWS, default_slot_bytes
 from tests.conftest import ConsumerFactory, wait_attached
 
 HIDDEN = 32
@@ -47,6 +47,8 @@ LAYERS = (2, 4, 5)
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu]), pytest.param("cuda-graphs", marks=[pytest.mark.gpu])]
 #: Decode batch sizes captured as graphs (the plans decode at most 8 requests at once).
 GRAPHS = (1, 2, 4, 8)
+#: A request SGLang makes for itself (its warm-up, a health check), batched with the others for a few steps.
+OWN = "sglang-own"
 
 
 def plans() -> list[Plan]:
@@ -64,6 +66,7 @@ def plans() -> list[Plan]:
         Plan("discarded", prompt(6), max_new_tokens=50, discard_after=3),
         Plan("one-token", prompt(1), max_new_tokens=1),
         Plan("later", prompt(30), max_new_tokens=5, arrive=9),
+        Plan(OWN, prompt(3), max_new_tokens=4, arrive=2),
     ]
 
 
@@ -144,6 +147,7 @@ def test_hooks_store_every_row_with_its_position_and_token(
         queued_gpu_s=0.002 if device == "cuda" else 0.0,
         graphs=graphs,
     )
+    scheduler.reqs[OWN].sampling_params.custom_params = {OWN_PARAM: "health check"}  # as the tokenizer hook marks it
     with no_capture_errors(caplog):
         scheduler.run()
     assert capture.enabled and not capture.pending
@@ -158,7 +162,10 @@ def test_hooks_store_every_row_with_its_position_and_token(
 
     store = open_store(tmp_path)
     names = [*(f"layer_{k}" for k in LAYERS), "last"]
+    assert OWN not in store  # SGLang's own request: no row of it, no record
     for rid, req in scheduler.reqs.items():
+        if rid == OWN:
+            continue
         record = store.record(rid)
         prompt, output = list(req.origin_input_ids), list(req.output_ids)
         total = len(prompt) + len(output) - 1
