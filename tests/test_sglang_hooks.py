@@ -299,3 +299,40 @@ def test_sglang_calls_capture_tail_hooks_as_the_plugin_expects() -> None:
     assert "self.model_runner = model_runner" in inspect.getsource(base_runner.BaseRunner.__init__)
     forward = inspect.getsource(model_runner.ModelRunner)
     assert "self.decode_cuda_graph_runner.execute(" in forward and "can_run_graph=can_run_graph" in forward
+
+
+@pytest.mark.slow
+def test_sglang_marks_its_own_requests_and_stops_as_the_plugin_expects() -> None:
+    """Every hook target exists. SGLang's graceful stop reaches each scheduler's ``handle_shutdown``; its warm-up is
+    the request it sends while its HTTP server says ``Starting`` (``/health`` answers 503 then, and makes no request);
+    its health checks carry the rid SGLang's own test knows; a request's ``cache_salt`` and ``custom_params`` reach the
+    scheduler. A change there must fail here, not as warm-ups stored or runs that end as crashes."""
+    from hscapture.integrations.sglang import use_cpu_host_env
+
+    use_cpu_host_env()
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    import inspect
+    import pkgutil
+
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.managers import io_struct, scheduler, tokenizer_manager
+    from sglang.srt.managers.utils import is_health_check_generate_req
+
+    import hscapture.integrations.sglang as plugin
+
+    batches = (plugin._MODEL_LOADED, plugin._FORWARD, plugin._BATCH_RESULT)
+    for target in (*batches, plugin._RPC, plugin._SHUTDOWN, plugin._TOKENIZED):
+        assert callable(pkgutil.resolve_name(target)), target
+    assert "(ShutdownReq, self.handle_shutdown)" in inspect.getsource(scheduler.Scheduler.init_request_dispatcher)
+    assert "self._dispatch_to_scheduler(ShutdownReq())" in inspect.getsource(
+        tokenizer_manager.TokenizerManager.sigterm_watchdog
+    )
+    warmup = inspect.getsource(http_server._execute_server_warmup)
+    assert warmup.index("requests.post(") < warmup.index("server_status = ServerStatus.Up")
+    health = inspect.getsource(http_server.health_generate)
+    assert "server_status == ServerStatus.Starting" in health and "HEALTH_CHECK_RID_PREFIX" in health
+    assert is_health_check_generate_req(io_struct.GenerateReqInput(rid=f"{http_server.HEALTH_CHECK_RID_PREFIX}_x"))
+    tokenized = inspect.getsource(tokenizer_manager.TokenizerManager._create_tokenized_object)
+    assert "cache_salt=obj.cache_salt" in tokenized and "sampling_params=sampling_params" in tokenized
+    handle = inspect.getsource(scheduler.Scheduler._handle_generate_request)
+    assert "cache_salt=recv_req.cache_salt" in handle and "recv_req.sampling_params" in handle

@@ -2,7 +2,7 @@
 
 SGLang loads every entry point of the ``sglang.srt.plugins`` group in each of its processes
 (``srt/plugins/__init__.py:load_plugins``). This one is inert unless :data:`ENV` holds capture
-settings; then it registers five hooks through SGLang's ``HookRegistry`` (no source edits):
+settings; then it registers six hooks through SGLang's ``HookRegistry`` (no source edits):
 
 * AFTER ``TpModelWorker.init_attention_backends``: the model is loaded and SGLang has set its
   aux layers (before any CUDA graph is captured). The plugin checks the model against
@@ -26,6 +26,9 @@ settings; then it registers five hooks through SGLang's ``HookRegistry`` (no sou
   holds, then ends the requests that finished or were aborted (with their retraction count).
 * AROUND ``Scheduler.handle_rpc_request``: ``Engine.collective_rpc(CLOSE_RPC)`` closes the
   producer cleanly (end of stream) before an offline engine shuts down.
+* AFTER ``Scheduler.handle_shutdown``: SGLang's graceful stop (SIGTERM to the server: it drains its
+  requests, then sends each scheduler a ``ShutdownReq``) closes the producer the same way, so the
+  store records a clean end, not a producer that died.
 * AFTER ``TokenizerManager._create_tokenized_object`` (in the server's process): marks the requests
   SGLang makes for itself, which are no samples and are never captured (:data:`OWN_PARAM`).
 
@@ -102,6 +105,7 @@ _MODEL_LOADED = "sglang.srt.managers.tp_worker.TpModelWorker.init_attention_back
 _FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 _BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 _RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+_SHUTDOWN = "sglang.srt.managers.scheduler.Scheduler.handle_shutdown"
 _TOKENIZED = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
 
 
@@ -240,6 +244,7 @@ def load_plugin() -> None:
     HookRegistry.register(_FORWARD, capture.after_forward, HookType.AFTER)
     HookRegistry.register(_BATCH_RESULT, capture.after_batch_result, HookType.AFTER)
     HookRegistry.register(_RPC, capture.around_rpc, HookType.AROUND)
+    HookRegistry.register(_SHUTDOWN, capture.after_shutdown, HookType.AFTER)
     HookRegistry.register(_TOKENIZED, capture.after_tokenize, HookType.AFTER)
 
 
@@ -515,6 +520,10 @@ class SGLangCapture:
 
         self._shut("closed by the engine")
         return RpcReqOutput(success=True, message="")
+
+    def after_shutdown(self, result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        """SGLang stops gracefully (it drained its requests; the scheduler's loop ends next): end the stream."""
+        self._shut("SGLang shut down")
 
     def after_tokenize(self, result: Any, manager: Any, *args: Any, **kwargs: Any) -> None:
         """In the tokenizer's process: mark a request SGLang made for itself (:data:`OWN_PARAM`) so that the
