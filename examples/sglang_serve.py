@@ -5,8 +5,9 @@
 Starts `hscapture serve --out DIR -- --model-path MODEL ...` (SGLang's HTTP server with the
 hscapture plugin capturing the EAGLE-3 states of every request, plus the consumer writing the
 store), sends a few chat requests with their own ids, then stops it the way a user does (SIGINT)
-and reads the store. With no --model-path it serves the embedded tiny Llama; on a host without a
-GPU, `hscapture serve` runs SGLang's CPU path.
+and reads the store: those requests and nothing else (SGLang's warm-up and health checks are not
+captured), the run ended cleanly. With no --model-path it serves the embedded tiny Llama; on a host
+without a GPU, `hscapture serve` runs SGLang's CPU path.
 """
 
 import argparse
@@ -80,6 +81,7 @@ server.send_signal(signal.SIGINT)  # what Ctrl-C does: the server stops, the sto
 server.wait(180)
 store = open_store(args.out)
 summary = store.summary()
-print(f"store {args.out}: {summary['complete']} complete requests, {summary['rows']} rows")
+ended = store.metadata()["runs"][-1]["end"]["reason"]  # "end of stream": a clean stop
+print(f"store {args.out}: {summary['complete']} complete requests, {summary['rows']} rows; the run ended: {ended}")
 rows = store.get("example-0")
 print("example-0:", {name: tuple(t.shape) for name, t in rows.items()})

@@ -5,12 +5,17 @@ the flags that make it keep the EAGLE-3 states; the hscapture plugin in its sche
 publishes them (``drop`` policy by default: serving never waits). One consumer per stream
 writes the store: one stream, or one per attention-DP group (``DIR/dp<rank>``).
 
-Ctrl-C (or SIGTERM) stops the server first, then lets each consumer notice that its producer
-is gone, finish the requests it can and close the store; what was in flight is marked.
+Ctrl-C (or SIGTERM, SIGHUP) stops the server the graceful way SGLang has: SIGTERM to it, it
+finishes the requests it serves, then each scheduler's hscapture plugin ends its stream (end of
+stream, a clean end in the store) before the scheduler exits; each consumer then finishes the
+store and exits. The server runs in its own session, so a terminal's Ctrl-C reaches ``serve``
+alone, not SGLang's processes midway; it gets SIGTERM too when ``serve`` dies. A second Ctrl-C
+kills the server; the consumers then record that their producer died.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -107,6 +112,7 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
         meta={"launcher": "hscapture serve", "server_args": sglang_args},
         graph_copy=options.graph_copy,
         layers=list(plan.layers),
+        http_server=True,
     )
     env = {**os.environ, ENV: settings.to_env()}
     keys_args: list[str] = []
@@ -140,15 +146,21 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
     ]
     command = [sys.executable, "-m", "sglang.launch_server", *sglang_args, *extra]
     print(f"hscapture serve: {' '.join(command)}", file=sys.stderr, flush=True)
-    server = subprocess.Popen(command, env=env)
+    server = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_stop_with_parent)
     stopping: list[int] = []
 
     def stop(signum: int, _frame: Any) -> None:
         stopping.append(signum)
-        if server.poll() is None:
+        if server.poll() is None and len(stopping) == 1:
+            print(
+                "hscapture serve: stopping: SGLang finishes the requests it serves, then capture ends; "
+                "Ctrl-C again to kill it",
+                file=sys.stderr,
+                flush=True,
+            )
             server.send_signal(signal.SIGTERM)
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         code = _wait_server(server, stopping, list(zip(folders, consumers)))
     finally:
@@ -157,6 +169,13 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
         _stop_consumers(consumers, options.grace_s)
     _summary(folders)
     return 0 if stopping else code
+
+
+def _stop_with_parent() -> None:
+    """In the server's process before SGLang starts: SIGTERM (SGLang's graceful stop) when ``serve`` dies, even
+    by SIGKILL, as SGLang's own processes follow theirs (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def _store_folders(out: Path, streams: int) -> list[Path]:

@@ -398,7 +398,8 @@ def server(model: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen,
     command += ["--", "--model-path", str(model)]
     command += ["--port", str(port), "--chunked-prefill-size", "32", "--mem-fraction-static", "0.3"]
     command += ["--enable-mixed-chunk", "--log-level", "warning", *POOL_ARGS]
-    process = subprocess.Popen(command, env=_env())
+    # Its own process group, as a shell gives a command it runs: the test's Ctrl-C goes to that group.
+    process = subprocess.Popen(command, env=_env(), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -415,7 +416,7 @@ def server(model: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen,
         yield base, process, store_dir
     finally:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()
 
 
@@ -501,12 +502,20 @@ def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
     ]
     for body in again:
         results[body["rid"]] = _post(f"{base}/generate", body)
+    with urllib.request.urlopen(f"{base}/health", timeout=60) as response:  # a load balancer's probe, idle
+        assert response.status == 200
     time.sleep(2)  # the server notices the hang-ups and aborts those requests
-    process.send_signal(signal.SIGINT)
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C at a terminal: every process of the foreground group gets it
     assert process.wait(180) == 0
     report = verify_store(store_dir)
     assert report.ok
     store = open_store(store_dir)
+    # Only the requests sent are stored: not SGLang's warm-up at start, nor its health checks (the fixture's and the
+    # probe above). The stop ended the run cleanly, as SGLang shut down, not as a crash.
+    sent = {*results, *(body["rid"] for body in aborted)}
+    assert set(store.keys()) == sent, set(store.keys()) ^ sent
+    ends = [run["end"] for run in store.metadata()["runs"]]
+    assert ends and all(end is not None and end["reason"] == "end of stream" for end in ends), ends
     aux_names = [f"layer_{k}" for k in store.metadata()["runs"][0]["meta"]["config"]["layers"]]
     for rid, reply in results.items():
         if rid.startswith("gen"):
@@ -625,6 +634,12 @@ def test_examples_run_as_written_and_extract_gives_a_store_that_passes_the_hf_en
         done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         assert expect in done.stdout, done.stdout
+
+    # The serve example's 4 requests and nothing else (SGLang's warm-up and its health checks are not samples); its
+    # SIGINT stopped the run cleanly.
+    served = open_store(tmp_path / "sglang_serve.py")
+    assert sorted(served.keys()) == [f"example-{i}" for i in range(4)], served.keys()
+    assert [run["end"]["reason"] for run in served.metadata()["runs"]] == ["end of stream"], served.metadata()["runs"]
 
     out = tmp_path / "sglang_extract.py" / "teacher"
     assert verify_store(out).ok

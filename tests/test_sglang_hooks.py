@@ -38,7 +38,7 @@ from benchmarks.sglang_standin import (
 )
 from hscapture import CaptureConfig, open_store
 from hscapture.config import SLOT_ALIGN, MiB
-from hscapture.integrations.sglang import MAX_PENDING, SLOT_ROWS, default_slot_bytes
+from hscapture.integrations.sglang import MAX_PENDING, OWN_PARAM, SLOT_ROWS, default_slot_bytes
 from hscapture.producer import RUN_STEPS
 from tests.conftest import ConsumerFactory, wait_attached
 
@@ -48,6 +48,8 @@ LAYERS = (2, 4, 5)
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu]), pytest.param("cuda-graphs", marks=[pytest.mark.gpu])]
 #: Decode batch sizes captured as graphs (the plans decode at most 8 requests at once).
 GRAPHS = (1, 2, 4, 8)
+#: A request SGLang makes for itself (its warm-up, a health check), batched with the others for a few steps.
+OWN = "sglang-own"
 
 
 def plans() -> list[Plan]:
@@ -65,6 +67,7 @@ def plans() -> list[Plan]:
         Plan("discarded", prompt(6), max_new_tokens=50, discard_after=3),
         Plan("one-token", prompt(1), max_new_tokens=1),
         Plan("later", prompt(30), max_new_tokens=5, arrive=9),
+        Plan(OWN, prompt(3), max_new_tokens=4, arrive=2),
     ]
 
 
@@ -145,6 +148,7 @@ def test_hooks_store_every_row_with_its_position_and_token(
         queued_gpu_s=0.002 if device == "cuda" else 0.0,
         graphs=graphs,
     )
+    scheduler.reqs[OWN].sampling_params.custom_params = {OWN_PARAM: "health check"}  # as the tokenizer hook marks it
     with no_capture_errors(caplog):
         scheduler.run()
     assert capture.enabled and not capture.pending
@@ -159,7 +163,10 @@ def test_hooks_store_every_row_with_its_position_and_token(
 
     store = open_store(tmp_path)
     names = [*(f"layer_{k}" for k in LAYERS), "last"]
+    assert OWN not in store  # SGLang's own request: no row of it, no record
     for rid, req in scheduler.reqs.items():
+        if rid == OWN:
+            continue
         record = store.record(rid)
         prompt, output = list(req.origin_input_ids), list(req.output_ids)
         total = len(prompt) + len(output) - 1
@@ -293,3 +300,40 @@ def test_sglang_calls_capture_tail_hooks_as_the_plugin_expects() -> None:
     assert "self.model_runner = model_runner" in inspect.getsource(base_runner.BaseRunner.__init__)
     forward = inspect.getsource(model_runner.ModelRunner)
     assert "self.decode_cuda_graph_runner.execute(" in forward and "can_run_graph=can_run_graph" in forward
+
+
+@pytest.mark.slow
+def test_sglang_marks_its_own_requests_and_stops_as_the_plugin_expects() -> None:
+    """Every hook target exists. SGLang's graceful stop reaches each scheduler's ``handle_shutdown``; its warm-up is
+    the request it sends while its HTTP server says ``Starting`` (``/health`` answers 503 then, and makes no request);
+    its health checks carry the rid SGLang's own test knows; a request's ``cache_salt`` and ``custom_params`` reach the
+    scheduler. A change there must fail here, not as warm-ups stored or runs that end as crashes."""
+    from hscapture.integrations.sglang import use_cpu_host_env
+
+    use_cpu_host_env()
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    import inspect
+    import pkgutil
+
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.managers import io_struct, scheduler, tokenizer_manager
+    from sglang.srt.managers.utils import is_health_check_generate_req
+
+    import hscapture.integrations.sglang as plugin
+
+    batches = (plugin._MODEL_LOADED, plugin._FORWARD, plugin._BATCH_RESULT)
+    for target in (*batches, plugin._RPC, plugin._SHUTDOWN, plugin._TOKENIZED):
+        assert callable(pkgutil.resolve_name(target)), target
+    assert "(ShutdownReq, self.handle_shutdown)" in inspect.getsource(scheduler.Scheduler.init_request_dispatcher)
+    assert "self._dispatch_to_scheduler(ShutdownReq())" in inspect.getsource(
+        tokenizer_manager.TokenizerManager.sigterm_watchdog
+    )
+    warmup = inspect.getsource(http_server._execute_server_warmup)
+    assert warmup.index("requests.post(") < warmup.index("server_status = ServerStatus.Up")
+    health = inspect.getsource(http_server.health_generate)
+    assert "server_status == ServerStatus.Starting" in health and "HEALTH_CHECK_RID_PREFIX" in health
+    assert is_health_check_generate_req(io_struct.GenerateReqInput(rid=f"{http_server.HEALTH_CHECK_RID_PREFIX}_x"))
+    tokenized = inspect.getsource(tokenizer_manager.TokenizerManager._create_tokenized_object)
+    assert "cache_salt=obj.cache_salt" in tokenized and "sampling_params=sampling_params" in tokenized
+    handle = inspect.getsource(scheduler.Scheduler._handle_generate_request)
+    assert "cache_salt=recv_req.cache_salt" in handle and "recv_req.sampling_params" in handle

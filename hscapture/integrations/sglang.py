@@ -2,7 +2,7 @@
 
 SGLang loads every entry point of the ``sglang.srt.plugins`` group in each of its processes
 (``srt/plugins/__init__.py:load_plugins``). This one is inert unless :data:`ENV` holds capture
-settings; then it registers four hooks through SGLang's ``HookRegistry`` (no source edits):
+settings; then it registers six hooks through SGLang's ``HookRegistry`` (no source edits):
 
 * AFTER ``TpModelWorker.init_attention_backends``: the model is loaded and SGLang has set its
   aux layers (before any CUDA graph is captured). The plugin checks the model against
@@ -26,6 +26,20 @@ settings; then it registers four hooks through SGLang's ``HookRegistry`` (no sou
   holds, then ends the requests that finished or were aborted (with their retraction count).
 * AROUND ``Scheduler.handle_rpc_request``: ``Engine.collective_rpc(CLOSE_RPC)`` closes the
   producer cleanly (end of stream) before an offline engine shuts down.
+* AFTER ``Scheduler.handle_shutdown``: SGLang's graceful stop (SIGTERM to the server: it drains its
+  requests, then sends each scheduler a ``ShutdownReq``) closes the producer the same way, so the
+  store records a clean end, not a producer that died.
+* AFTER ``TokenizerManager._create_tokenized_object`` (in the server's process): marks the requests
+  SGLang makes for itself, which are no samples and are never captured (:data:`OWN_PARAM`).
+
+SGLang's own requests: its health checks (``/health``, ``/health_generate``: SGLang's
+``is_health_check_generate_req``), and, with ``PluginSettings.http_server``, what the tokenizer
+takes while the server says it is starting (``ServerStatus.Starting``, ``/health`` answers 503):
+SGLang's warm-up request. The mark travels to the scheduler in the request's
+``sampling_params.custom_params`` (SGLang's own channel from tokenizer to scheduler); the
+forward hook keeps none of their rows and no record of them is sent. They also get a radix-cache
+namespace of their own (``cache_salt``): a request must never take a prefix from one of them (a
+health check's ``input_ids=[0]`` is many tokenizers' BOS), since the store has no rows to serve it.
 
 Rows are attributed from the ``ScheduleBatch``'s host-side lengths: extend and mixed batches
 hold contiguous blocks of ``extend_lens[i]`` rows at positions ``prefix_lens[i] + j``; decode
@@ -81,11 +95,18 @@ ENV = "HSCAPTURE_SGLANG"
 CLOSE_RPC = "hscapture_close"
 #: ``sampling_params["custom_params"]`` key: flat ``[start, end, start, end, ...]`` loss mask.
 LOSS_MASK_PARAM = "hscapture_loss_mask"
+#: ``sampling_params["custom_params"]`` key set on the requests SGLang makes for itself ("warm-up",
+#: "health check"): never captured.
+OWN_PARAM = "hscapture_sglang_own"
+#: Radix-cache namespace (``cache_salt``) of those requests: nothing they computed is taken as another's prefix.
+OWN_CACHE_SALT = "hscapture-sglang-own"
 
 _MODEL_LOADED = "sglang.srt.managers.tp_worker.TpModelWorker.init_attention_backends"
 _FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 _BATCH_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 _RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+_SHUTDOWN = "sglang.srt.managers.scheduler.Scheduler.handle_shutdown"
+_TOKENIZED = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
 
 
 def server_args(layer_ids: Sequence[int] | None = None) -> list[str]:
@@ -134,6 +155,9 @@ class PluginSettings:
     #: On a GPU, copy decode rows from inside SGLang's decode CUDA graphs (no launch per step); False: one
     #: launch per step from the forward hook, as for every forward SGLang runs without a graph.
     graph_copy: bool = True
+    #: SGLang runs its HTTP server (``hscapture serve``): requests its tokenizer takes while the server says it is
+    #: starting are its own warm-up, not captured. False for ``sglang.Engine``, which never says it is up.
+    http_server: bool = False
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -220,6 +244,8 @@ def load_plugin() -> None:
     HookRegistry.register(_FORWARD, capture.after_forward, HookType.AFTER)
     HookRegistry.register(_BATCH_RESULT, capture.after_batch_result, HookType.AFTER)
     HookRegistry.register(_RPC, capture.around_rpc, HookType.AROUND)
+    HookRegistry.register(_SHUTDOWN, capture.after_shutdown, HookType.AFTER)
+    HookRegistry.register(_TOKENIZED, capture.after_tokenize, HookType.AFTER)
 
 
 def _parallel() -> Any:
@@ -263,16 +289,31 @@ class _DecodePlan(NamedTuple):
 
     #: The batch's requests (a copy: SGLang edits its list in place), compared by identity each step.
     reqs: list[Any]
-    #: Tuples: the producer checks and encodes the same tuples once (``Producer.write_step``).
+    #: Of the requests captured, in batch order. Tuples: the producer checks and encodes the same tuples once
+    #: (``Producer.write_step``).
     rids: tuple[str, ...]
     ones: tuple[int, ...]
     prompt_lens: np.ndarray
+    #: ``[K]`` int64 row of each captured request in the batch; None when every request is captured (SGLang's own
+    #: are not: :func:`_sglangs_own`).
+    keep: np.ndarray | None = None
 
     @classmethod
     def of(cls, reqs: list[Any]) -> _DecodePlan:
         reqs = list(reqs)
-        prompts = np.fromiter((len(req.origin_input_ids) for req in reqs), np.int64, len(reqs))
-        return cls(reqs, tuple(req.rid for req in reqs), (1,) * len(reqs), prompts)
+        captured = [not _sglangs_own(req) for req in reqs]
+        keep = None if all(captured) else np.flatnonzero(captured)
+        kept = reqs if keep is None else [reqs[i] for i in keep]
+        prompts = np.fromiter((len(req.origin_input_ids) for req in kept), np.int64, len(kept))
+        return cls(reqs, tuple(req.rid for req in kept), (1,) * len(kept), prompts, keep)
+
+    def rows(self, seq_lens: torch.Tensor) -> _Rows:
+        """A step's rows of the captured requests of a batch that holds SGLang's own (``keep``): one each, at
+        ``seq_lens_cpu[i] - 1``."""
+        keep = self.keep if self.keep is not None else np.arange(len(self.reqs))
+        positions = np.subtract(seq_lens.numpy()[keep], 1, dtype=np.int64)
+        reqs = [self.reqs[i] for i in keep]
+        return _Rows(self.rids, reqs, positions.tolist(), self.ones, positions, keep, len(self.reqs))
 
 
 class _Pending(NamedTuple):
@@ -478,6 +519,31 @@ class SGLangCapture:
         self._shut("closed by the engine")
         return RpcReqOutput(success=True, message="")
 
+    def after_shutdown(self, result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        """SGLang stops gracefully (it drained its requests; the scheduler's loop ends next): end the stream."""
+        self._shut("SGLang shut down")
+
+    def after_tokenize(self, result: Any, manager: Any, *args: Any, **kwargs: Any) -> None:
+        """In the tokenizer's process: mark a request SGLang made for itself (:data:`OWN_PARAM`) so that the
+        scheduler's hooks keep none of it, and keep its prefix out of the others' reach (:data:`OWN_CACHE_SALT`).
+        Never raises: a request must not fail for capture's sake."""
+        try:
+            from sglang.srt.managers.tokenizer_manager import ServerStatus
+            from sglang.srt.managers.utils import is_health_check_generate_req
+
+            if is_health_check_generate_req(result):
+                why = "health check"
+            elif self.settings.http_server and manager.server_status == ServerStatus.Starting:
+                why = "warm-up"
+                log.info("hscapture: not capturing request %s: SGLang is starting (its warm-up)", result.rid)
+            else:
+                return
+            params = result.sampling_params
+            params.custom_params = {**(params.custom_params or {}), OWN_PARAM: why}
+            result.cache_salt = f"{result.cache_salt}|{OWN_CACHE_SALT}" if result.cache_salt else OWN_CACHE_SALT
+        except Exception:
+            log.exception("hscapture: could not tell whether a request is SGLang's own; it is captured")
+
     # --- work ---------------------------------------------------------------------------
 
     def _states(self, output: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
@@ -498,6 +564,9 @@ class SGLangCapture:
         producer, states = self._states(output)
         plan = self._decode_plan(batch)
         self._decoded = seq_lens = batch.seq_lens_cpu
+        if plan.keep is not None:  # SGLang's own requests decode in this batch too: the others' rows, by index
+            self._extend(batch, output, plan.rows(seq_lens))
+            return
         run = self._run
         # The producer checks a step that joins the run (a graph replay's by its owners alone: the graph's copy
         # takes its own outputs); the rest here, with the batch in the message.
@@ -518,11 +587,12 @@ class SGLangCapture:
         if self._run is not None:
             self.pending.append(self._run)
 
-    def _extend(self, batch: Any, output: Any) -> None:
-        """An extend or mixed forward's rows into the ring now (host metadata only); announced later."""
+    def _extend(self, batch: Any, output: Any, rows: _Rows | None = None) -> None:
+        """An extend or mixed forward's rows into the ring now (host metadata only); announced later. ``rows``: a
+        decode step's rows when the batch holds SGLang's own requests (:meth:`_DecodePlan.rows`)."""
         producer, states = self._states(output)
         self._run = None  # decode steps after this forward start a run of their own
-        rows = self._rows(batch)
+        rows = self._rows(batch) if rows is None else rows
         if states[0].shape[0] != rows.total:
             raise self._mismatch(batch, rows.total, states[0])
         if not rows.rids:
@@ -562,8 +632,10 @@ class SGLangCapture:
 
     def _fold(self) -> None:
         """Record the last decode step's positions in ``sent_upto`` before anything reads it."""
-        if self._decoded is not None and self._plan is not None:
-            self.sent_upto.update(zip(self._plan.rids, self._decoded.tolist()))
+        plan = self._plan
+        if self._decoded is not None and plan is not None:
+            lens = self._decoded if plan.keep is None else self._decoded.numpy()[plan.keep]
+            self.sent_upto.update(zip(plan.rids, lens.tolist()))
         self._decoded = None
 
     def _rows(self, batch: Any) -> _Rows:
@@ -578,10 +650,15 @@ class SGLangCapture:
         positions = np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
         all_rids = [req.rid for req in reqs]
         upto = np.fromiter((sent.get(rid, 0) for rid in all_rids), np.int64, len(all_rids))
+        own = [i for i, req in enumerate(reqs) if _sglangs_own(req)]
+        upto[own] = ends[own]  # SGLang's own requests: none of their rows is kept
         for i in np.flatnonzero(starts).tolist():  # first scheduled past position 0: a radix-cache hit
             if all_rids[i] not in sent:
                 self.cached_prefix[all_rids[i]] = int(starts[i])
         sent.update(zip(all_rids, np.maximum(ends, upto).tolist()))
+        for i in own:  # and no record of them: never in sent_upto, never finished
+            del sent[all_rids[i]]
+            self.cached_prefix.pop(all_rids[i], None)
         firsts = np.maximum(starts, upto)
         counts = np.maximum(ends - firsts, 0)
         kept = np.flatnonzero(counts)
@@ -727,6 +804,13 @@ class SGLangCapture:
                 producer.close(error=error)
             except Exception:
                 log.exception("hscapture: closing the producer (%s) failed", why)
+
+
+def _sglangs_own(req: Any) -> bool:
+    """Whether SGLang made ``req`` for itself (warm-up, health check): marked at tokenization
+    (:meth:`SGLangCapture.after_tokenize`), never captured."""
+    params = getattr(req.sampling_params, "custom_params", None)
+    return isinstance(params, dict) and OWN_PARAM in params
 
 
 def _tokens(reqs: Sequence[Any], firsts: Sequence[int], counts: Sequence[int]) -> np.ndarray | None:
