@@ -45,6 +45,7 @@ from hscapture.config import STORE_DTYPES, MiB, ensure_writable_dir, flag, store
 from hscapture.consumer import consume_command
 from hscapture.data import Sample, check_batching, keyed_records, load_samples, plan_batches, tokenize_workers
 from hscapture.errors import HSCaptureError
+from hscapture.inspection import capture_failure
 from hscapture.parallel import Job, Shared, run_jobs
 from hscapture.partition import Part
 from hscapture.store.collection import StoreSet, is_store, named_job, named_part, part_dir, part_dirs
@@ -639,16 +640,6 @@ def _capture(
     store = open_store(out)
     engine.check(store)
     return ExtractSummary(samples, tokens, seconds, 0, store.summary(), empty, started - launched, out, started_at)
-
-
-def capture_failure(out: Path) -> str:
-    """The store's record of why its last run ended, if capture failed in the producer ('' otherwise)."""
-    try:
-        end = open_store(out).metadata()["runs"][-1]["end"] or {}
-    except Exception:  # no store yet, or none readable: the consumer's own message says why
-        return ""
-    reason = str(end.get("reason", ""))
-    return reason if reason.startswith("capture failed") else ""
 
 
 def consumer_error(code: int, out: Path, then: str = "") -> HSCaptureError:

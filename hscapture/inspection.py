@@ -160,3 +160,13 @@ def format_inspection(report: dict[str, Any]) -> str:
         if unlisted:
             lines.append(f"  ... and {unlisted:,} more (hscapture inspect --json --max-listed N lists more)")
     return "\n".join(lines)
+
+
+def capture_failure(out: Path) -> str:
+    """The store's record of why its last run ended, if capture failed in the producer ('' otherwise)."""
+    try:
+        end = open_store(out).metadata()["runs"][-1]["end"] or {}
+    except Exception:  # no store yet, or none readable: the consumer's own message says why
+        return ""
+    reason = str(end.get("reason", ""))
+    return reason if reason.startswith("capture failed") else ""

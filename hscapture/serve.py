@@ -27,7 +27,7 @@ from typing import Any
 
 from hscapture.config import POLICIES, MiB, ensure_writable_dir, flag
 from hscapture.consumer import consume_command
-from hscapture.extract import capture_failure
+from hscapture.inspection import capture_failure
 from hscapture.integrations.sglang import (
     CPU_SERVER_ARGS,
     ENV,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from hscapture.integrations.hf import eagle3_default_layers
+from hscapture.config import eagle3_default_layers
 
 log = logging.getLogger(__name__)
 
