@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 from functools import cache
 from importlib import resources
-from importlib.abc import Traversable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
 
 log = logging.getLogger(__name__)
 
