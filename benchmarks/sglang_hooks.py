@@ -9,8 +9,9 @@ forward queues ``--queued-ms`` of GPU work (``torch.cuda._sleep``) before its ou
 decode step of a large model does, then the forward hook runs on the forward stream; then the
 previous step's result is processed and ``after_batch_result`` runs (it first waits for that
 step's token copy, as SGLang does, so at most two forwards are queued on the GPU). Captured: 3 aux
-layers and the last layer (``--hidden`` wide, bf16), drop policy, a ring of 32 slots (a decode step
-takes one), a ``--discard`` consumer process attached.
+layers and the last layer (``--hidden`` wide, bf16), drop policy, the plugin's default slots and ring
+(``default_slot_bytes``, ``default_ring_bytes``: a decode run takes one slot), a ``--discard`` consumer process
+attached.
 On a CPU (``--device cpu``, host ring) each step instead sleeps ``--queued-ms`` outside the
 hooks, so the consumer keeps up; only the GPU run measures what the goal is about.
 Six variants on a GPU (five on a CPU), batch size by batch size, alternating, with the same producer and
@@ -76,9 +77,9 @@ import numpy as np
 import torch
 
 from benchmarks.sglang_standin import FINISH_ABORT, ForwardMode, OverlapScheduler, Plan, capture_with_producer
-from hscapture.config import SLOT_ALIGN, CaptureConfig
+from hscapture.config import CaptureConfig
 from hscapture.consumer import consume_command
-from hscapture.integrations.sglang import SGLangCapture
+from hscapture.integrations.sglang import SGLangCapture, default_ring_bytes, default_slot_bytes
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS = (2, 16, 29)
@@ -273,12 +274,12 @@ def main() -> None:
     endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/sglang-hooks-{os.getpid()}"
     row_bytes = (len(LAYERS) + 1) * args.hidden * 2
     max_rows = args.chunk + max(args.batches)
-    slot_bytes = -(-max_rows * row_bytes // SLOT_ALIGN) * SLOT_ALIGN
-    # 32 slots: SGLang's default ring (two of its largest steps in 4 MiB slots) holds well over a hundred, and a
-    # decode step takes one. Announcements held back a few steps keep a few more slots out of circulation.
+    # The plugin's own slots and ring (default_slot_bytes, default_ring_bytes) for the largest step here.
+    slot_bytes = default_slot_bytes(row_bytes)
     config = CaptureConfig(
         layers=LAYERS, hidden_size=args.hidden, num_layers=32, dtype="bfloat16", device=args.device,
-        policy="drop", endpoint=endpoint, slot_bytes=slot_bytes, ring_bytes=32 * slot_bytes, max_step_rows=max_rows,
+        policy="drop", endpoint=endpoint, slot_bytes=slot_bytes,
+        ring_bytes=default_ring_bytes(slot_bytes, row_bytes, max_rows), max_step_rows=max_rows,
     )  # fmt: skip
     consumer = subprocess.Popen(
         consume_command(endpoint, None, "--discard", "--exit-on-eos", "--quiet", "--watch-pid", str(os.getpid()))

@@ -38,7 +38,14 @@ from benchmarks.sglang_standin import (
 )
 from hscapture import CaptureConfig, open_store
 from hscapture.config import SLOT_ALIGN, MiB
-from hscapture.integrations.sglang import MAX_PENDING, OWN_PARAM, SLOT_ROWS, default_slot_bytes
+from hscapture.integrations.sglang import (
+    MAX_PENDING,
+    OWN_PARAM,
+    RING_SLOTS,
+    SLOT_ROWS,
+    default_ring_bytes,
+    default_slot_bytes,
+)
 from hscapture.producer import RUN_STEPS
 from tests.conftest import ConsumerFactory, wait_attached
 
@@ -113,10 +120,14 @@ def no_capture_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
 
 
 def test_default_slots_hold_a_decode_run_of_the_models_rows() -> None:
-    """Kimi-K2.5's EAGLE-3 set (3 aux layers + last, 7168 wide, bf16): 512 rows a slot, not the 73 of 4 MiB."""
+    """Kimi-K2.5's EAGLE-3 set (3 aux layers + last, 7168 wide, bf16): 2048 rows a slot (8 decode steps at batch
+    256), not the 73 of 4 MiB; the ring holds two of the engine's largest steps, and a few slots at least."""
     kimi = 4 * 7168 * 2
-    assert default_slot_bytes(kimi) // kimi == SLOT_ROWS and default_slot_bytes(kimi) % SLOT_ALIGN == 0
+    slot = default_slot_bytes(kimi)
+    assert slot // kimi == SLOT_ROWS >= 8 * 256 and slot % SLOT_ALIGN == 0
     assert default_slot_bytes(4 * 64 * 2) == 4 * MiB  # tiny rows: never below 4 MiB
+    assert default_ring_bytes(slot, kimi, 16384) == 16 * slot  # two 16k-token prefills
+    assert default_ring_bytes(slot, kimi, 256) == RING_SLOTS * slot
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])

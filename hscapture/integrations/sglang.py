@@ -144,7 +144,7 @@ class PluginSettings:
     policy: str = "drop"
     #: Bytes of one ring slot; None: room for :data:`SLOT_ROWS` rows, and at least 4 MiB.
     slot_bytes: int | None = None
-    #: Ring bytes; None sizes it for two of the engine's largest steps.
+    #: Ring bytes; None sizes it for two of the engine's largest steps, at least :data:`RING_SLOTS` slots.
     ring_bytes: int | None = None
     block_timeout_s: float = 120.0
     #: Facts stored with the run (model path, launcher, ...).
@@ -257,14 +257,23 @@ def _parallel() -> Any:
 #: Forwards whose rows may wait for their token ids at once (SGLang's loops leave at most one);
 #: a forward beyond that stops capture: the host never got the ids, or results are not processed.
 MAX_PENDING = 4
-#: Rows a ring slot holds by default: a decode run of 8 steps at batch 64 (a 4 MiB slot holds 73
-#: rows of Kimi-K2.5's EAGLE-3 set, 57 KiB each: one step at batch 64, no run at all).
-SLOT_ROWS = 512
+#: Rows a ring slot holds by default: a decode run of 16 steps at batch 128, 8 at batch 256. A run's host work
+#: (its token ids from every request, its announcement) is paid once per run: at 512 rows a slot, batch 256 made runs
+#: of 2 steps and the hooks cost ~240 µs a step on the H200 (a 4 MiB slot holds 73 rows of Kimi-K2.5's EAGLE-3 set,
+#: 57 KiB each: not even one step at batch 256).
+SLOT_ROWS = 2048
+#: Slots a ring has by default at least: a run holds its slot while it grows.
+RING_SLOTS = 8
 
 
 def default_slot_bytes(row_bytes: int) -> int:
     """Slot bytes for :data:`SLOT_ROWS` rows of ``row_bytes``, at least 4 MiB, whole ``SLOT_ALIGN`` blocks."""
     return max(4 * MiB, -(-SLOT_ROWS * row_bytes // SLOT_ALIGN) * SLOT_ALIGN)
+
+
+def default_ring_bytes(slot_bytes: int, row_bytes: int, max_rows: int) -> int:
+    """Room for two of the engine's largest steps (``max_rows`` rows), and at least :data:`RING_SLOTS` slots."""
+    return max(RING_SLOTS, 2 * -(-max_rows // (slot_bytes // row_bytes))) * slot_bytes
 
 
 class _Rows(NamedTuple):
@@ -741,6 +750,7 @@ class SGLangCapture:
         dp_rank = int(replica if replica is not None else getattr(parallel, "attn_dp_rank", 0))
         row_bytes = (len(self.layers) + self.settings.capture_last) * self.hidden * model_config.dtype.itemsize
         max_rows = int(getattr(worker, "max_num_tokens", 0) or 8192)
+        slot_bytes = self.settings.slot_bytes or default_slot_bytes(row_bytes)
         device = "cpu" if str(runner.device) == "cpu" else f"cuda:{torch.cuda.current_device()}"
         config = CaptureConfig(
             layers=self.layers,
@@ -748,8 +758,8 @@ class SGLangCapture:
             num_layers=num_layers,
             capture_last=self.settings.capture_last,
             dtype=dtype_name(model_config.dtype),
-            slot_bytes=self.settings.slot_bytes or default_slot_bytes(row_bytes),
-            ring_bytes=self.settings.ring_bytes,
+            slot_bytes=slot_bytes,
+            ring_bytes=self.settings.ring_bytes or default_ring_bytes(slot_bytes, row_bytes, max_rows),
             max_step_rows=max_rows,
             policy=self.settings.policy,  # type: ignore[arg-type]
             endpoint=endpoint_for(self.settings.endpoint, dp_rank, dp_size),
