@@ -9,6 +9,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -72,28 +73,80 @@ def endpoint() -> Iterator[str]:
         yield name
 
 
-ConsumerFactory = Callable[..., subprocess.Popen]
+class ThreadConsumer:
+    """A consumer run on a thread of the test process: the same ``Consumer`` the command runs, from the same command
+    line, without a process start (imports and all: seconds on a 2-core host). For tests where no process boundary is
+    under test; it answers ``wait``, ``poll`` and ``kill`` as a ``Popen`` does, with the command's exit status."""
+
+    def __init__(self, command: list[str]) -> None:
+        from hscapture.cli import build_parser, options_from
+        from hscapture.config import ConsumerConfig
+        from hscapture.consumer import Consumer
+
+        args = build_parser().parse_args(command[command.index("consume") :])
+        self.config = options_from(ConsumerConfig, args)
+        self.consumer = Consumer(self.config)
+        self.pid = os.getpid()
+        self.returncode: int | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="consumer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.consumer.run()
+        except BaseException as exc:  # handed to wait(): the test sees it
+            self._error = exc
+        finally:
+            failed = self.config.exit_on_eos and self.consumer.last_failure
+            self.returncode = 1 if failed or self._error is not None else 0
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise subprocess.TimeoutExpired("consumer thread", timeout or 0)
+        if self._error is not None:
+            raise self._error
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        self.consumer.stop()
+        self._thread.join(60)
+
+
+ConsumerFactory = Callable[..., "subprocess.Popen | ThreadConsumer"]
 
 
 @pytest.fixture
 def start_consumer() -> Iterator[ConsumerFactory]:
-    """Start ``hscapture consume`` as a separate process; every one is killed at teardown."""
-    started: list[subprocess.Popen] = []
+    """The one way tests start ``hscapture consume``: as a separate process, or (``in_process``) on a thread of the
+    test's own, where no process boundary is under test. Every one is stopped at teardown."""
+    started: list[subprocess.Popen | ThreadConsumer] = []
 
-    def start(out: Path, endpoint: str, *extra: str, log: Path | None = None) -> subprocess.Popen:
-        """``log``: a file its stderr (warnings, rejections) goes to, for the test to read."""
+    def start(
+        out: Path | None, endpoint: str, *extra: str, log: Path | None = None, in_process: bool = False
+    ) -> subprocess.Popen | ThreadConsumer:
+        """``log``: a file its stderr (warnings, rejections) goes to, for the test to read (processes only)."""
+        command = consume_command(endpoint, out, "--quiet", "--heartbeat-ms", "50", *extra)
+        if in_process:
+            assert log is None, "a consumer thread logs to the test's own logging (caplog)"
+            started.append(ThreadConsumer(command))
+            return started[-1]
         with contextlib.ExitStack() as stack:
             stderr = None if log is None else stack.enter_context(log.open("wb"))
-            command = consume_command(endpoint, out, "--quiet", "--heartbeat-ms", "50", *extra)
             process = subprocess.Popen(command, stderr=stderr)
         started.append(process)
         return process
 
     yield start
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    for consumer in started:
+        if consumer.poll() is None:
+            consumer.kill()
+            if isinstance(consumer, subprocess.Popen):
+                consumer.wait()
 
 
 def wait_attached(producer: Producer, timeout_s: float = 120.0) -> None:

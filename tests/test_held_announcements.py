@@ -1,9 +1,11 @@
 """Announcements held back and sent together (see ``hscapture.producer.announcer``): the consumer gets every chunk, in
 seq order, before the end of a request that owns rows in them, at close, and once the time limit has passed on an
-engine that calls again or goes idle. A real consumer process writes the store."""
+engine that calls again or goes idle. A real consumer (on a thread: no process boundary is under test) writes the
+store."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -54,11 +56,15 @@ class Decode:
 
 
 def test_held_chunks_reach_the_consumer_in_order_before_a_request_end_and_at_close(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    endpoint: str,
+    start_consumer: ConsumerFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(announcer_module, "SERVICE_S", 3600.0)  # no time limit: only the events under test send
-    log = tmp_path / "consumer.log"
-    consumer = start_consumer(tmp_path / "store", endpoint, "--exit-on-eos", log=log)
+    caplog.set_level(logging.WARNING, logger="hscapture.consumer")
+    consumer = start_consumer(tmp_path / "store", endpoint, "--exit-on-eos", in_process=True)
     producer = make_producer(make_config(endpoint, policy="drop", slots=16))
     wait_attached(producer)
     decode = Decode()
@@ -74,14 +80,14 @@ def test_held_chunks_reach_the_consumer_in_order_before_a_request_end_and_at_clo
     assert counters.chunks_announced == 5 and counters.rows_captured == 8
     assert counters.rows_dropped == counters.chunks_dropped == counters.events_dropped == 0
     assert consumer.wait(30) == 0
-    assert "rejected" not in log.read_text(), log.read_text()[-3000:]
+    assert "rejected" not in caplog.text, caplog.text[-3000:]
     decode.check(tmp_path / "store", unfinished="b")
 
 
 def test_a_chunk_held_goes_out_once_the_time_limit_has_passed_or_the_engine_polls(
     tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:
-    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", in_process=True)
     producer = make_producer(make_config(endpoint, policy="block", slots=16))
     wait_attached(producer)
     decode = Decode()

@@ -19,7 +19,7 @@ def rows(n: int, seed: int) -> list[torch.Tensor]:
 def test_rows_written_early_are_stored_with_the_metadata_given_later(
     tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:
-    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", in_process=True)
     producer = make_producer(make_config(endpoint, policy="block", slots=4, rows_per_slot=8))
     wait_attached(producer)
     prefill, decode = rows(11, 0), rows(2, 1)  # 11 rows: two slots
@@ -51,7 +51,7 @@ def test_decode_steps_extend_one_slot_and_are_stored_as_if_written_one_by_one(
     tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:
     """Steps of the same requests in one slot (a decode run): one chunk, every row where it belongs."""
-    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", in_process=True)
     producer = make_producer(make_config(endpoint, policy="block", slots=4, rows_per_slot=8))
     wait_attached(producer)
     owners = (("a", "b", "c"), (1, 1, 1))
@@ -85,7 +85,7 @@ def test_decode_steps_extend_one_slot_and_are_stored_as_if_written_one_by_one(
 def test_written_slots_stay_the_producers_until_announced(
     tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:
-    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", in_process=True)
     producer = make_producer(make_config(endpoint, policy="drop", slots=2, rows_per_slot=16))
     wait_attached(producer)
     positions = list(range(16))
@@ -110,7 +110,7 @@ def test_written_slots_stay_the_producers_until_announced(
 def test_block_refuses_to_wait_for_slots_only_it_holds(
     tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:
-    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", in_process=True)
     producer = make_producer(make_config(endpoint, policy="block", slots=2, rows_per_slot=16))
     wait_attached(producer)
     for i in range(2):
@@ -126,7 +126,7 @@ def test_tensors_given_side_by_side_are_stored_as_given_one_by_one(
 ) -> None:
     """SGLang's aux layers come as one [N, layers * hidden] tensor: whole, split over slots, with
     kept rows, and a decode batch's same owner tuples step after step."""
-    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", in_process=True)
     producer = make_producer(make_config(endpoint, policy="block", slots=4, rows_per_slot=8))
     wait_attached(producer)
 

@@ -291,8 +291,8 @@ class Producer(EngineProducer):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            if self._poller.poll(min(_POLL_MS, max(1, round(remaining * 1000)))):
-                self._drain_control()
+            self._poller.poll(min(_POLL_MS, max(1, round(remaining * 1000))))
+            self._serve()
         return True
 
     def close(self, timeout_s: float = 30.0, error: str = "") -> ProducerCounters:
