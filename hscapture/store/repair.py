@@ -20,15 +20,16 @@ version 2 (every line with its checksum). The store's lock is held throughout: n
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hscapture.errors import StoreError
-from hscapture.store.files import file_mode, lock_store, write_atomic
+from hscapture.store.directory import StoreDir
+from hscapture.store.files import lock_store, replace_file
 from hscapture.store.format import INDEX_FILE, META_FILE, STORE_VERSION, read_meta, scan_index, shard_files
 from hscapture.store.index import rewrite_index
 from hscapture.store.records import Request, once, request_record
@@ -66,18 +67,24 @@ def repair_store(path: str | Path) -> RepairReport:
             shards alone: fix it by hand), or a writer holds the store.
     """
     root = Path(path)
-    meta = read_meta(root)
+    with StoreDir.open(root) as directory:  # every file below is reached through it, wherever it moves
+        return _repair(directory)
+
+
+def _repair(directory: StoreDir) -> RepairReport:
+    root = directory.path
+    meta = read_meta(directory)
     if meta is None:
         raise StoreError(f"{root}: no {META_FILE}; not an hscapture store")
     report = RepairReport(str(root))
-    mode = file_mode(root)
-    lock = lock_store(root, 1.0, mode)
+    mode = directory.file_mode
+    lock = lock_store(directory, 1.0, mode)
     try:
-        scan = scan_index(root, meta["version"])
+        scan = scan_index(directory, meta["version"])
         report.torn_bytes = scan.torn_bytes
         records = [line.record for line in scan.lines if line.record is not None]
         report.dropped_lines = [(line.number, line.problem) for line in scan.lines if line.record is None]
-        found = _relist(root, meta, records, report)
+        found = _relist(directory, meta, records, report)
         complete: set[str] = set()
         for i, record in enumerate(records):
             if record["type"] == "request":
@@ -89,13 +96,12 @@ def repair_store(path: str | Path) -> RepairReport:
         stale = meta["version"] < STORE_VERSION
         if not (report.dropped_lines or report.torn_bytes or report.listed or rebuilt or report.duplicates or stale):
             return report
-        index = root / INDEX_FILE
         report.backup = f"{INDEX_FILE}.before-repair-{time.time_ns()}"
-        if index.exists():
-            os.link(index, root / report.backup)
-        rewrite_index(index, [*records, *rebuilt], mode)
+        with contextlib.suppress(FileNotFoundError):
+            directory.link(INDEX_FILE, report.backup)
+        rewrite_index(directory, [*records, *rebuilt], mode)
         if stale:
-            write_atomic(root / META_FILE, json.dumps({**meta, "version": STORE_VERSION}, indent=2).encode(), mode)
+            replace_file(directory, META_FILE, json.dumps({**meta, "version": STORE_VERSION}, indent=2).encode(), mode)
             report.upgraded = True
     finally:
         lock.close()
@@ -103,20 +109,20 @@ def repair_store(path: str | Path) -> RepairReport:
 
 
 def _relist(
-    root: Path, meta: dict[str, Any], records: list[dict[str, Any]], report: RepairReport
+    directory: StoreDir, meta: dict[str, Any], records: list[dict[str, Any]], report: RepairReport
 ) -> dict[tuple[str, str], Request]:
     """List the unlisted shards (appending their lines to ``records``); the requests with rows in the
     store's shards that no line records, with the rows each shard holds."""
     listed = {r["id"]: r for r in records if r["type"] == "shard"}
     recorded = {r["id"] for r in records if r["type"] == "request"}
     found: dict[tuple[str, str], Request] = {}
-    for shard_id, path in sorted(shard_files(root).items()):
+    for shard_id, path in sorted(shard_files(directory).items()):
         line = listed.get(shard_id)
-        shard = open_shard(path, meta, None if line is None else line["bytes"], shard_id)
+        shard = open_shard(directory, path.name, meta, None if line is None else line["bytes"], shard_id)
         if line is None:
             line = None if shard is None else shard_line(shard)
             if line is None:
-                os.replace(path, path.with_name(path.name + ".damaged"))
+                directory.replace(path.name, path.name + ".damaged")
                 report.set_aside.append(path.name)
                 continue
             records.append(line)
