@@ -279,3 +279,44 @@ def test_out_through_another_users_link_is_refused_in_one_line(other_user: Other
         assert message.startswith(f"store directory {link / 'store'}: ") and os.listdir(tmp_path / "real") == []
     finally:
         link.unlink()
+
+
+# ------------------------------------------------------------------ issue 30.11: readers never follow a link
+
+
+@pytest.mark.parametrize("planted", ["index.jsonl", "meta.json", "shard-000000.safetensors"])
+def test_readers_refuse_a_store_file_that_is_a_link_in_one_line(tmp_path: Path, planted: str) -> None:
+    """A store file replaced by a link (here to the very same bytes elsewhere) is refused by every reader,
+    naming the file: ``open_store`` and ``get``, ``verify`` and ``inspect``; never read through."""
+    from hscapture.errors import StoreError
+    from hscapture.store.verify import verify_store
+    from tests.conftest import cli_refusal
+
+    real, root = tmp_path / "real", tmp_path / "store"
+    writer = StoreWriter(real, shard_bytes("float32"))
+    writer.begin_run(*make_layout())
+    feed = Feed(writer, {"a": make_request(5, "float32", np.random.default_rng(11))})
+    feed.chunk([("a", range(5))])
+    feed.finish("a", num_tokens=5)
+    writer.close()
+    root.mkdir(mode=0o700)
+    for name in os.listdir(real):
+        if name == planted:
+            (root / name).symlink_to(real / name)
+        else:
+            (root / name).write_bytes((real / name).read_bytes())
+    link = root / planted
+    refusal = f"{link}: a symbolic link, which hscapture never follows"
+    if planted.startswith("shard"):
+        with pytest.raises(StoreError, match=rf"{link}: cannot open it \(a symbolic link"):
+            open_store(root).get("a")
+        report = verify_store(root)
+        assert not report.ok and [c.file for c in report.missing] == [planted], report
+        assert refusal.split(": ", 1)[1] in report.missing[0].problems[0]
+        return
+    for call in (open_store, verify_store):
+        with pytest.raises(StoreError, match=refusal):
+            call(root)
+    for command in ("verify", "inspect"):
+        status, stderr = cli_refusal(command, root)
+        assert status == 2 and stderr.count("\n") == 1 and refusal in stderr, stderr
