@@ -26,7 +26,10 @@ from hscapture.store.format import INDEX_FILE, encode_line
 log = logging.getLogger(__name__)
 
 #: What a failed write leaves, said in every such error.
-KEPT = "what the index lists is intact; free space (or fix the disk) and run again to continue"
+KEPT = (
+    "what the index lists is intact; free space (or fix the disk) and run the same command again: it first records "
+    "the requests this run could not (hscapture verify reports them as unrecorded until then), then continues"
+)
 
 _Group = tuple[bytes, bool, Callable[[], None] | None]
 

@@ -119,6 +119,9 @@ class VerifyReport:
     dangling: list[IndexProblem] = field(default_factory=list)
     #: Requests whose rows listed shards hold, recorded by no line (lost lines, or a dead writer's).
     unrecorded: list[str] = field(default_factory=list)
+    #: Those of them whose rows lie in shards of a run that never ended: its writer stopped before recording
+    #: them (killed, or a write failed, e.g. on a full disk); the next writer of the store records them.
+    unended: list[str] = field(default_factory=list)
     #: How many such requests a live writer has still to record (not a failure).
     pending: int = 0
 
@@ -169,7 +172,7 @@ def _verify(
 ) -> VerifyReport:
     meta = _check_is_store(directory)
     report = VerifyReport(root=str(directory.path), meta_problem=meta_problem(meta))
-    shards, requests = _read_index(directory, report, meta["version"])
+    shards, requests, stopped = _read_index(directory, report, meta["version"])
     report.shards, report.requests = len(shards), len(requests)
 
     touching: dict[int, list[str]] = {}
@@ -217,6 +220,7 @@ def _verify(
         report.pending = len(unrecorded)
     else:
         report.unrecorded = unrecorded
+        report.unended = sorted({r for shard_id in stopped for r in holds.get(shard_id, ())} & set(unrecorded))
     for request_id, donors in references.donors.items():  # a damaged donor damages every request reading it
         for shard_id in dict.fromkeys(s[0] for donor in donors for s in requests[donor][1]["spans"]):
             if request_id not in touching.setdefault(shard_id, []):
@@ -261,20 +265,28 @@ def _check_is_store(directory: StoreDir) -> dict[str, Any]:
 
 def _read_index(
     directory: StoreDir, report: VerifyReport, version: int
-) -> tuple[dict[int, dict[str, Any]], dict[str, tuple[int, dict[str, Any]]]]:
-    """Shard lines by id, and per request id the line a reader serves (its first complete line, else its
-    last) with its number; bad lines and ids listed complete twice go into the report."""
+) -> tuple[dict[int, dict[str, Any]], dict[str, tuple[int, dict[str, Any]]], set[int]]:
+    """Shard lines by id; per request id the line a reader serves (its first complete line, else its last)
+    with its number; the shards listed by a writer session that never ended (no ``run_end`` after its
+    ``run`` line). Bad lines and ids listed complete twice go into the report."""
     scan = scan_index(directory, version)
     report.torn_tail, report.torn_tail_bytes = scan.torn_bytes > 0, scan.torn_bytes
     shards: dict[int, dict[str, Any]] = {}
     requests: dict[str, tuple[int, dict[str, Any]]] = {}
     complete: dict[str, int] = {}
+    session: dict[int, int] = {}  # per shard, the line of the run it was listed in (one writer at a time)
+    running: dict[str, int] = {}  # per run id, the line of its session not ended yet
     for line in scan.lines:
         record = line.record
         if record is None:
             report.bad_index_lines.append(IndexProblem(line.number, line.problem))
+        elif record["type"] == "run":
+            running[record["run_id"]] = line.number
+        elif record["type"] == "run_end":
+            running.pop(record["run_id"], None)
         elif record["type"] == "shard":
             shards[record["id"]] = record
+            session[record["id"]] = max(running.values(), default=0)
         elif record["type"] == "request":
             request_id = record["id"]
             if request_id in complete:
@@ -286,7 +298,8 @@ def _read_index(
                 complete[request_id] = line.number
             requests.pop(request_id, None)  # the later line, in its position
             requests[request_id] = (line.number, record)
-    return shards, requests
+    unended = set(running.values())
+    return shards, requests, {shard_id for shard_id, start in session.items() if start in unended}
 
 
 def _find_unlisted(directory: StoreDir, report: VerifyReport, listed: set[int], writing: bool) -> None:
@@ -513,9 +526,17 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
             f"{_listing(check.requests, show)}): its line was lost, or a writer died before listing it; "
             f"hscapture verify --repair {report.root} lists it"
         )
-    if report.unrecorded:
+    lost = [request_id for request_id in report.unrecorded if request_id not in report.unended]
+    if report.unended:
         lines.append(
-            f"lost index lines: {_listing(report.unrecorded, show)} hold rows in listed shards but no line records "
+            f"unrecorded: {_listing(report.unended, show)} hold rows in listed shards of a run that never ended: its "
+            "writer stopped before recording them (a write failed, e.g. on a full disk, or it was killed); run the "
+            "same command again, and its writer records them incomplete first (extract then captures them anew), "
+            f"or hscapture verify --repair {report.root} records them now"
+        )
+    if lost:
+        lines.append(
+            f"lost index lines: {_listing(lost, show)} hold rows in listed shards but no line records "
             f"them: their lines were lost, or a writer died before writing them; hscapture verify --repair "
             f"{report.root} records them incomplete (so does the next writer, for a dead writer's run)"
         )
