@@ -188,25 +188,44 @@ def open_own(path: Path, flags: int, what: str, mode: int = 0o600, dir_fd: int |
         AccessError: a link, not a regular file, or another user's; the message names the path and the fix.
         FileNotFoundError: it does not exist (and ``flags`` do not create it).
     """
+    fd = open_regular(path, flags, what, mode, dir_fd)
+    try:
+        check_owner(os.fstat(fd), path, what, 0, "")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(
+    path: Path,
+    flags: int,
+    what: str,
+    mode: int = 0o600,
+    dir_fd: int | None = None,
+    error: type[Exception] = AccessError,
+) -> int:
+    """Open ``path`` (``path.name`` in ``dir_fd``) never through a link; it must be a regular file, anyone's.
+    Returns its descriptor.
+
+    Raises:
+        error: a link, not a regular file, or it cannot be opened; the message names ``what`` and the path.
+        FileNotFoundError: it does not exist (and ``flags`` do not create it).
+    """
     try:
         fd = os.open(at(path, dir_fd), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise AccessError(
+            raise error(
                 f"{what} {path} is a symbolic link, which hscapture never follows: another user may have planted "
                 "it; remove it"
             ) from None
-        raise AccessError(f"{what} {path}: cannot open it ({exc.strerror})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise AccessError(f"{what} {path} is not a regular file; remove it")
-        check_owner(info, path, what, 0, "")
-    except BaseException:
+        raise error(f"{what} {path}: cannot open it ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise
+        raise error(f"{what} {path} is not a regular file; remove it")
     return fd
 
 

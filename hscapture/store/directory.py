@@ -10,12 +10,12 @@ refused (``O_NOFOLLOW``) with one :class:`~hscapture.errors.StoreError` naming i
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from pathlib import Path
 
 from hscapture.errors import StoreError
+from hscapture.ownership import open_regular
 
 #: Modes of a shared store's files, and of a private store's.
 SHARED_FILE_MODE = 0o640
@@ -67,22 +67,10 @@ class StoreDir:
         Raises:
             StoreError: it is a link, not a regular file, or cannot be opened; the message names it.
         """
-        path = self.file(name)
         try:
-            fd = self.open_file(name, os.O_RDONLY | os.O_NONBLOCK)
+            return open_regular(self.file(name), os.O_RDONLY | os.O_NONBLOCK, "store file", 0, self.fd, StoreError)
         except FileNotFoundError:
             return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise StoreError(
-                    f"{path}: a symbolic link, which hscapture never follows (another user may have planted it); "
-                    "remove it, or put the file itself there"
-                ) from None
-            raise StoreError(f"{path}: cannot open it ({exc.strerror})") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise StoreError(f"{path}: not a regular file; remove it")
-        return fd
 
     def read(self, name: str) -> bytes | None:
         """The bytes of the regular file ``name`` in the store (None when there is none); see :meth:`open_regular`."""
