@@ -164,17 +164,18 @@ def write_private(path: Path, data: bytes, mode: int = 0o600, dir_fd: int | None
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(at(temp, dir_fd), at(path, dir_fd), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.replace(in_dir(temp, dir_fd), in_dir(path, dir_fd), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(at(temp, dir_fd), dir_fd=dir_fd)
+            os.unlink(in_dir(temp, dir_fd), dir_fd=dir_fd)
         raise
 
 
 def create_private(path: Path, flags: int = os.O_RDWR, mode: int = 0o600, dir_fd: int | None = None) -> int:
     """A new file at ``path`` (never an existing one, never through a link), exactly ``mode``; its descriptor.
     With ``dir_fd``, ``path.name`` in that directory."""
-    fd = os.open(at(path, dir_fd), flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    flags |= os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(in_dir(path, dir_fd), flags, mode, dir_fd=dir_fd)
     if mode & 0o077:  # the umask may have taken bits the caller asked for (a shared store's group read)
         os.fchmod(fd, mode)
     return fd
@@ -213,7 +214,7 @@ def open_regular(
         FileNotFoundError: it does not exist (and ``flags`` do not create it).
     """
     try:
-        fd = os.open(at(path, dir_fd), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        fd = os.open(in_dir(path, dir_fd), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -229,7 +230,7 @@ def open_regular(
     return fd
 
 
-def at(path: Path, dir_fd: int | None) -> Path | str:
+def in_dir(path: Path, dir_fd: int | None) -> Path | str:
     """What the ``os`` calls take for ``path``: itself, or with a directory's descriptor only its name there."""
     return path if dir_fd is None else path.name
 
@@ -282,9 +283,9 @@ def unlink_ours(path: Path, dir_fd: int | None = None) -> bool:
     """Unlink ``path`` (``path.name`` in ``dir_fd``) if it is ours (never another user's file, even as root);
     whether it was removed."""
     try:
-        if os.stat(at(path, dir_fd), dir_fd=dir_fd, follow_symlinks=False).st_uid != os.getuid():
+        if os.stat(in_dir(path, dir_fd), dir_fd=dir_fd, follow_symlinks=False).st_uid != os.getuid():
             return False
-        os.unlink(at(path, dir_fd), dir_fd=dir_fd)
+        os.unlink(in_dir(path, dir_fd), dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     return True

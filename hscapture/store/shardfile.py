@@ -22,7 +22,7 @@ import numpy as np
 
 from hscapture.errors import StoreError
 from hscapture.fp8 import FP8_NAME, scale_name
-from hscapture.ownership import at
+from hscapture.ownership import in_dir
 from hscapture.store.format import ITEM_BYTES, ROW_CRC, ROW_FIELDS, SHARD_FORMAT, ShardHeader, parse_shard_header
 
 #: numpy dtypes of the safetensors codes a shard holds besides the captured rows.
@@ -53,7 +53,7 @@ class ShardFile:
         self.path = path
         self.shard_id = shard_id
         try:
-            fd = os.open(at(path, dir_fd), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = os.open(in_dir(path, dir_fd), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         except FileNotFoundError:
             raise StoreError(f"{path}: missing; the store was damaged after it was written") from None
         except OSError as exc:
