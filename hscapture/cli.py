@@ -25,6 +25,8 @@ from hscapture.serve import ServeOptions
 
 #: Old spellings still accepted, per command: old flag -> the flag to use.
 RENAMED = {"extract": {"--shard-size": "--shard-bytes"}}
+#: Damaged samples an export names one line each; the rest are counted.
+SHOW_DAMAGED = 10
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -536,7 +538,17 @@ def _export(args: argparse.Namespace) -> int:
         )
     lines.extend(f"warning: {options.store}: {problem}" for problem in summary.problems)
     print("\n".join(lines))
-    return 0
+    if not summary.damaged:
+        return 0
+    for key, why in summary.damaged[:SHOW_DAMAGED]:
+        print(f"hscapture export: skipped {key!r}: {why}", file=sys.stderr)
+    more = len(summary.damaged) - SHOW_DAMAGED
+    print(
+        f"hscapture export: {len(summary.damaged)} damaged samples skipped{f' ({more} not shown)' if more > 0 else ''}"
+        f", the rest written; hscapture verify {options.store} lists what is damaged",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _inspect(args: argparse.Namespace) -> int:

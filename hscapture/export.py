@@ -106,6 +106,8 @@ class ExportSummary:
     final: str = ""
     #: A set of parts: keys in two parts (each exported once), parts without a store, keys in no part.
     problems: list[str] = field(default_factory=list)
+    #: Samples left out because the store could not serve them (a damaged shard): ``(key, why)``, in order.
+    damaged: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -117,10 +119,13 @@ class _Tensors:
 def export(options: ExportOptions) -> ExportSummary:
     """Write the export; see the module docstring.
 
+    A sample the store cannot serve (rows or a shard that fail their checksums, a missing shard) is left
+    out and named in ``summary.damaged``; every other sample is still written.
+
     Raises:
         ValueError: unknown format, or the store lacks a tensor the format needs (the message
             names it and the capture option that produces it), or ``out`` holds another export.
-        StoreError: ``store`` is not a store.
+        StoreError: ``store`` is not a store, or its index or ``meta.json`` is damaged.
     """
     if options.format not in FORMATS:
         raise ValueError(f"--format: {options.format!r} is unknown; use one of {', '.join(FORMATS)}")
@@ -142,7 +147,11 @@ def export(options: ExportOptions) -> ExportSummary:
             summary.kept += 1
             continue
         index = entry["index"] if entry is not None else len(manifest.entries)
-        sample = _contiguous(store.get(key, [*tensors.aux, tensors.final]))
+        try:
+            sample = _contiguous(store.get(key, [*tensors.aux, tensors.final]))
+        except StoreError as exc:  # this sample's rows are damaged: the others are still worth writing
+            summary.damaged.append((key, str(exc)))
+            continue
         if not len(sample["input_ids"]):  # an incomplete sample without position 0: nothing to train on
             summary.skipped_incomplete += 1
             continue

@@ -9,6 +9,7 @@ part, the keys held by two parts and the set's other problems.
 from __future__ import annotations
 
 import re
+import stat
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -57,7 +58,9 @@ def inspect_store(path: str | Path | Sequence[str | Path], max_listed: int = 10)
         "loss_tokens": sum(end - start for r in records for start, end in r["loss_mask"]),
         "shards": summary["shards"],
         "bytes": summary["bytes"],
-        "bytes_on_disk": sum(p.stat().st_size for root in roots for p in root.iterdir() if p.is_file()),
+        "bytes_on_disk": sum(  # the store's own files: a link's target is not in it
+            info.st_size for root in roots for p in root.iterdir() if stat.S_ISREG((info := p.lstat()).st_mode)
+        ),
         "rows_dropped": summary["rows_dropped"],
         "requests_with_drops": sum(r["dropped_rows"] > 0 for r in records),
         "incomplete_reasons": dict(reasons.most_common()),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ KEYS_ENV = "HSCAPTURE_KEYS"
 PUBLIC = "id.key"
 SECRET = "id.key_secret"
 ALLOWED = "allowed"
+#: A certificate is a few hundred bytes; more than this is not one.
+_MAX_KEY_FILE = 1 << 16
 
 _BANNER = (
     "#   ****  Generated on {when} by hscapture  ****\n"
@@ -115,12 +118,37 @@ def admitted_keys(directory: Path | None = None) -> set[bytes]:
 
 
 def allow_key(source: Path, directory: Path | None = None) -> Path:
-    """Admit the consumer public key in ``source``: copied into ``allowed/``, named by its fingerprint."""
-    key = _parse(Path(source).read_bytes(), Path(source))[0]
+    """Admit the consumer public key in ``source``: copied into ``allowed/``, named by its fingerprint.
+
+    Raises:
+        ValueError: ``source`` is missing, not a regular file, or unreadable (the message names it and the fix).
+        AccessError: it holds no public key, or the key directory cannot be trusted.
+    """
+    key = _parse(_read_given(Path(source)), Path(source))[0]
     folder = private_dir(Path(directory or default_keys_dir()) / ALLOWED, "allowed-keys directory")
     target = folder / f"{fingerprint(key)}.key"
     write_private(target, _certificate(key, None))
     return target
+
+
+def _read_given(path: Path) -> bytes:
+    """The first bytes of a key file the user named (anyone's: a public key is no secret), never blocking on
+    a FIFO nor reading a device without end."""
+    where = f"--allow: {str(path)!r}"
+    fix = "give the consumer's id.key (`hscapture keys` on the consumer's side shows where it is)"
+    fd = -1
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{where} is not a regular file; {fix}")
+        return os.read(fd, _MAX_KEY_FILE)
+    except FileNotFoundError:
+        raise ValueError(f"{where} does not exist; {fix}") from None
+    except OSError as exc:
+        raise ValueError(f"{where} cannot be read ({exc.strerror}); {fix}, in a file you can read") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def fingerprint(public: bytes) -> str:

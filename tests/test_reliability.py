@@ -6,6 +6,7 @@ ones in the README's reliability table.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,13 +18,17 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from hscapture import Producer, open_store
-from hscapture.store.verify import verify_store
+from hscapture.errors import StoreError
+from hscapture.store.verify import format_report, verify_store
+from hscapture.store.writer import StoreWriter
 from hscapture.tiny import write_demo_jsonl
 from tests.conftest import ConsumerFactory, wait_attached
+from tests.storefeed import Feed, make_layout, make_request
 from tests.test_pipeline import check_store
 from tests.workload import Workload, make_config, make_producer
 
@@ -181,6 +186,41 @@ def test_full_disk_stops_extraction_clearly_keeps_shards_and_resumes_when_freed(
     complete = [r["id"] for r in lines if r["type"] == "request" and r["status"] == "complete"]
     assert len(complete) == len(set(complete)) == 200
     print(f"\nRELIABILITY full disk: {len(held)} samples intact when the 2 MiB disk filled; all 200 after resume")
+
+
+def test_right_after_a_full_disk_verify_says_what_happened_and_that_a_rerun_completes_it(small_disk: Path) -> None:
+    """Issue 30.11: right after a handled full-disk error, ``verify`` failed on "unrecorded requests" calling them
+    lost index lines. The requests a stopped run could not record are named as such, with the fix (the same
+    command again, whose writer records them first); the writer's error says so too; the rerun completes it.
+    (Chosen over recording them at the failure: that means writing more on a full disk; the next writer's
+    recovery is the one path that already records them, for killed writers too.)"""
+    root = small_disk / "store"
+    rng = np.random.default_rng(30)
+    writer = StoreWriter(root, 64 << 10)
+    writer.begin_run(*make_layout())
+    feed = Feed(writer, {f"r{i}": make_request(200, "float32", rng) for i in range(60)})
+    with pytest.raises(StoreError) as failed:
+        for i in range(0, 60, 2):  # two requests at a time, so one is in flight when a shard cannot be written
+            for at in range(0, 200, 50):
+                feed.chunk([(f"r{i}", range(at, at + 50)), (f"r{i + 1}", range(at, at + 50))])
+            feed.finish(f"r{i}", num_tokens=200)
+            feed.finish(f"r{i + 1}", num_tokens=200)
+            writer.tick()
+        writer.close()
+    assert "No space left on device" in str(failed.value), failed.value
+    assert "run the same command again: it first records the requests this run could not" in str(failed.value)
+    with contextlib.suppress(StoreError):
+        writer.close("capture failed")
+
+    report = verify_store(root)
+    assert not report.ok and report.unrecorded and report.unended == report.unrecorded, report
+    text = format_report(report)
+    assert "of a run that never ended: its writer stopped before recording them (a write failed" in text, text
+    assert "run the same command again" in text and "lost index lines:" not in text, text
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    StoreWriter(root, 64 << 10).close()  # the rerun's writer, before it captures anything
+    assert verify_store(root).ok
+    assert all(open_store(root).record(key)["status"] == "incomplete" for key in report.unrecorded)
 
 
 def test_full_disk_under_drop_never_touches_serving(

@@ -31,7 +31,7 @@ from hscapture.producer import Producer
 from hscapture.protocol import PROTOCOL_VERSION, Hello
 from hscapture.ring import SHM_DIR, reclaim_host_rings
 from hscapture.transport import announce_endpoint, release_endpoint, token_path
-from tests.conftest import ConsumerFactory, OtherUser, wait_attached
+from tests.conftest import ConsumerFactory, OtherUser, cli_refusal, wait_attached
 from tests.workload import Workload, make_config, make_producer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -297,6 +297,54 @@ def test_a_consumer_of_another_key_is_told_its_key_is_refused_until_the_producer
         check_finished_complete(tmp_path / "store-2", workload)
     finally:
         producer.close()
+
+
+@pytest.mark.parametrize("kind", ["missing", "a directory", "unreadable", "endless"])
+def test_keys_allow_of_a_file_it_cannot_take_is_one_line_naming_it_and_the_fix(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Issue 30.9: `hscapture keys --allow PATH` gave a traceback for a missing file, a directory, an unreadable one."""
+    keys = tmp_path / "keys"
+    given = {"missing": tmp_path / "nope.key", "a directory": tmp_path, "endless": Path("/dev/zero")}.get(kind)
+    expected = {"missing": "does not exist", "a directory": "is not a regular file", "endless": "is not a regular file"}
+    if kind != "unreadable":
+        status, stderr = cli_refusal("keys", "--keys", keys, "--allow", given)
+    else:
+        given = tmp_path / "id.key"
+        ensure_keys(tmp_path / "theirs")
+        shutil.copy(tmp_path / "theirs" / PUBLIC, given)
+        given.chmod(0)
+        expected[kind] = "cannot be read (Permission denied)"
+        if os.geteuid() != 0:
+            status, stderr = cli_refusal("keys", "--keys", keys, "--allow", given)
+        else:  # root reads any file: another user is refused it (this process forked as that user)
+            other: OtherUser = request.getfixturevalue("other_user")
+            status, stderr = _as_user(other, lambda: cli_refusal("keys", "--keys", keys, "--allow", given))
+    assert status == 2, stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    assert f"--allow: {str(given)!r} {expected[kind]}" in stderr and "id.key" in stderr, stderr
+    assert not (keys / "allowed").exists()
+
+
+def _as_user(user: OtherUser, call: Callable[[], tuple[int, str]]) -> tuple[int, str]:
+    """``call()`` in a child of this process that runs as ``user`` (no process start: hscapture is imported)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(user.gid)
+            os.setuid(user.uid)
+            status, text = call()
+            os.write(write, f"{status}\n{text}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        status, _, text = pipe.read().decode().partition("\n")
+    os.waitpid(pid, 0)
+    return int(status), text
 
 
 # =========================================================================== 8: nothing leaks

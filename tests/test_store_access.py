@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hscapture.errors import AccessError
 from hscapture.export import ExportOptions, export
@@ -195,3 +196,127 @@ def test_a_writer_removes_only_the_temp_files_the_store_names(tmp_path: Path) ->
     assert {name: (root / name).read_bytes() for name in mine} == mine
     assert not [name for name in stale if (root / name).exists()]
     assert open_store(root).keys(complete_only=True) == ["a"]
+
+
+# ------------------------------------------------------------------ issue 30.10: the store directory is pinned
+
+
+def test_a_store_directory_renamed_mid_run_keeps_every_file_of_the_run(tmp_path: Path) -> None:
+    """The directory the writer opened gets every file (meta, shards, temp files, index lines), though it is
+    renamed twice mid-run and an empty directory is put in its place each time; that store verifies and serves
+    every row. (Same user: under the parent rule below, another user can no longer rename it.)"""
+    from hscapture.store.verify import verify_store
+
+    root = tmp_path / "store"
+    rng = np.random.default_rng(30)
+    requests = {f"r{i}": make_request(11, "float32", rng) for i in range(6)}
+    writer = StoreWriter(root, shard_bytes("float32"))
+    try:
+        root.rename(tmp_path / "moved-1")  # before meta.json is written
+        root.mkdir(mode=0o700)
+        writer.begin_run(*make_layout())
+        feed = Feed(writer, requests)
+        for i, request_id in enumerate(requests):
+            feed.chunk([(request_id, range(11))])
+            feed.finish(request_id, num_tokens=11)
+            writer.tick()
+            if i == 2:  # shards and index lines written, more to come
+                (tmp_path / "moved-1").rename(tmp_path / "moved-2")
+                root.rename(tmp_path / "decoy")
+                root.mkdir(mode=0o700)
+    finally:
+        writer.close()
+    opened = tmp_path / "moved-2"
+    assert os.listdir(root) == [] and os.listdir(tmp_path / "decoy") == []
+    assert verify_store(opened).ok
+    store = open_store(opened)
+    assert store.keys(complete_only=True) == list(requests)
+    for request_id, request in requests.items():
+        got = store.get(request_id)
+        assert all(torch.equal(got[name], request.rows[t]) for t, name in enumerate(store.tensor_names))
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o2775], ids=["0777", "0770", "2775"])
+@pytest.mark.parametrize("depth", ["parent", "grandparent"])
+def test_out_under_a_directory_others_may_write_into_is_refused_in_one_line(
+    tmp_path: Path, mode: int, depth: str
+) -> None:
+    """Whoever may write into a directory on the way to ``--out`` can rename the store (or a directory above it)
+    and put one of theirs in its place, for the user to read later: refused, naming it and the fix."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    root = shared / "store" if depth == "parent" else shared / "mine" / "store"
+    with pytest.raises(AccessError) as refused:
+        StoreWriter(root, shard_bytes("float32"), lock_timeout_s=0.2)
+    message = str(refused.value)
+    assert "\n" not in message and f"{shared} has mode {mode:04o}" in message, message
+    assert message.startswith(f"store directory {root}: ") and f"chmod +t {shared}" in message, message
+    assert os.listdir(shared) == []
+
+
+def test_out_under_a_sticky_directory_or_through_a_link_of_ours_is_taken(tmp_path: Path) -> None:
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)  # like /tmp: others may add entries, never rename or remove ours
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    for root in (sticky / "store", tmp_path / "link" / "store"):
+        StoreWriter(root, shard_bytes("float32"), lock_timeout_s=0.2).close()
+    assert (tmp_path / "real" / "store" / ".lock").exists() and (sticky / "store" / ".lock").exists()
+
+
+def test_out_through_another_users_link_is_refused_in_one_line(other_user: OtherUser, tmp_path: Path) -> None:
+    """Another user's link on the way to ``--out`` (here in /tmp) can point anywhere, at any time: refused."""
+    (tmp_path / "real").mkdir(mode=0o700)
+    link = Path(f"/tmp/hsc-link-{uuid.uuid4().hex[:10]}")
+    other_user.run(f"ln -s {tmp_path / 'real'} {link}")
+    try:
+        with pytest.raises(AccessError) as refused:
+            StoreWriter(link / "store", shard_bytes("float32"), lock_timeout_s=0.2)
+        message = str(refused.value)
+        assert "\n" not in message and f"{link} is a symbolic link of uid {other_user.uid}" in message, message
+        assert message.startswith(f"store directory {link / 'store'}: ") and os.listdir(tmp_path / "real") == []
+    finally:
+        link.unlink()
+
+
+# ------------------------------------------------------------------ issue 30.11: readers never follow a link
+
+
+@pytest.mark.parametrize("planted", ["index.jsonl", "meta.json", "shard-000000.safetensors"])
+def test_readers_refuse_a_store_file_that_is_a_link_in_one_line(tmp_path: Path, planted: str) -> None:
+    """A store file replaced by a link (here to the very same bytes elsewhere) is refused by every reader,
+    naming the file: ``open_store`` and ``get``, ``verify`` and ``inspect``; never read through."""
+    from hscapture.errors import StoreError
+    from hscapture.store.verify import verify_store
+    from tests.conftest import cli_refusal
+
+    real, root = tmp_path / "real", tmp_path / "store"
+    writer = StoreWriter(real, shard_bytes("float32"))
+    writer.begin_run(*make_layout())
+    feed = Feed(writer, {"a": make_request(5, "float32", np.random.default_rng(11))})
+    feed.chunk([("a", range(5))])
+    feed.finish("a", num_tokens=5)
+    writer.close()
+    root.mkdir(mode=0o700)
+    for name in os.listdir(real):
+        if name == planted:
+            (root / name).symlink_to(real / name)
+        else:
+            (root / name).write_bytes((real / name).read_bytes())
+    link = root / planted
+    refusal = f"store file {link} is a symbolic link, which hscapture never follows"
+    if planted.startswith("shard"):
+        with pytest.raises(StoreError, match=rf"{link}: cannot open it \(a symbolic link"):
+            open_store(root).get("a")
+        report = verify_store(root)
+        assert not report.ok and [c.file for c in report.missing] == [planted], report
+        assert "a symbolic link, which hscapture never follows" in report.missing[0].problems[0]
+        return
+    for call in (open_store, verify_store):
+        with pytest.raises(StoreError, match=refusal):
+            call(root)
+    for command in ("verify", "inspect"):
+        status, stderr = cli_refusal(command, root)
+        assert status == 2 and stderr.count("\n") == 1 and refusal in stderr, stderr

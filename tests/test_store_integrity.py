@@ -11,6 +11,7 @@ shards can tell, so that a rerun of the extraction captures the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,9 +29,10 @@ import torch
 from hscapture import cli
 from hscapture.dataset import CaptureDataset
 from hscapture.errors import StoreError
+from hscapture.export import ExportOptions, export
 from hscapture.store.format import encode_line
 from hscapture.store.reader import open_store
-from hscapture.store.repair import LOST
+from hscapture.store.repair import LOST, repair_store
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
 from tests.conftest import TINY_SAMPLES
@@ -104,11 +106,14 @@ def test_a_flipped_byte_in_a_row_is_refused_by_every_reader(
         dataset[dataset.keys.index(key)]
     assert not same(open_store(root, verify=False).get(key), pristine.get(key)), "verify=False reads unchecked"
 
-    out = tmp_path / "export"
+    out = tmp_path / "export"  # issue 30.11: the damaged sample is named and left out, every other one written
     done = hscapture("export", str(root), str(out), "--format", "specforge", "--no-progress")
     assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stderr.startswith(f"hscapture export: failed: {shard}: request {key!r}: layer_4")
-    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+    skipped, summary = done.stderr.splitlines()
+    assert skipped.startswith(f"hscapture export: skipped {key!r}: {shard}: request {key!r}: layer_4"), skipped
+    assert summary.startswith("hscapture export: 1 damaged samples skipped, the rest written; hscapture verify")
+    exported = {json.loads(line).get("id") for line in (out / "hscapture-export.jsonl").read_text().splitlines()[1:]}
+    assert exported == {k for k in pristine if k != key and pristine.record(k)["loss_mask"]}
     assert not verify_store(root).ok
 
 
@@ -162,6 +167,46 @@ def test_a_changed_digit_in_a_span_is_caught_and_repaired(tmp_path: Path) -> Non
     got = store.get("b")
     assert torch.equal(got["layer_2"], requests["b"].rows[0]) and got["positions"].tolist() == list(range(12))
     assert list(root.glob("index.jsonl.before-repair-*")), "the damaged index is kept"
+
+
+@pytest.mark.parametrize("where", ["a row", "a token id"])
+def test_repair_marks_the_requests_a_damaged_shard_cannot_serve_so_readers_skip_them(
+    where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 30.11: after ``verify --repair`` a request whose rows are damaged was still listed complete, and
+    CaptureDataset raised on reaching it. Repair records it incomplete with the reason; only the requests that
+    read damaged bytes (the row's owner; every request of the shard when a small tensor is damaged)."""
+    root = tmp_path / "store"
+    requests = write_store(root, {"a": 9, "b": 12, "c": 5})
+    shard = root / "shard-000001.safetensors"
+    base, header = header_of(shard)
+    if where == "a row":
+        row, width = 3, header["layer_5"]["shape"][1]
+        flip(shard, base + header["layer_5"]["data_offsets"][0] + row * width * 4 + 2)
+        damaged = {owner_of_row(shard, row)[0]}
+    else:
+        flip(shard, base + header["token_ids"]["data_offsets"][0] + 8)
+        damaged = {k for k in requests if any(span[0] == 1 for span in open_store(root).record(k)["spans"])}
+    assert 0 < len(damaged) < len(requests) or where == "a token id"
+
+    capsys.readouterr()
+    assert cli.main(["verify", str(root), "--repair"]) == 1  # the shard's bytes stay damaged: verify says so
+    said = capsys.readouterr().out
+    assert f"marked: {len(damaged)} requests" in said and "whose rows are damaged" in said, said
+    store = open_store(root)
+    for key in damaged:
+        record = store.record(key)
+        assert record["status"] == "incomplete" and record["reason"].startswith(f"damaged: {shard.name}: "), record
+    healthy = [k for k in requests if k not in damaged]
+    assert sorted(store.keys(complete_only=True)) == sorted(healthy)
+    dataset = CaptureDataset(root)
+    assert sorted(dataset.keys) == sorted(healthy)
+    for i, key in enumerate(dataset.keys):  # every item reads, bit for bit
+        assert torch.equal(dataset[i]["layer_5"], requests[key].rows[1])
+    options = ExportOptions(root, tmp_path / "out", "specforge", any_aux_count=True, keep_empty_loss_mask=True)
+    summary = export(dataclasses.replace(options, progress=False))
+    assert (summary.written, summary.skipped_incomplete, summary.damaged) == (len(healthy), len(damaged), [])
+    assert not repair_store(root).changed, "a second repair finds nothing more to mark"
 
 
 def test_an_index_cut_in_half_is_found_rebuilt_and_captured_again(
@@ -273,7 +318,12 @@ def test_damage_is_one_line_naming_the_file_from_every_reader_and_verify_fails(
     for command in commands:
         assert cli.main(command) != 0, command
         said = capsys.readouterr()
-        (line,) = said.err.strip().splitlines()
+        lines = said.err.strip().splitlines()
+        if "shard" in kind and command[0] == "export":  # one line per sample the shard damages, then the count
+            *lines, count = lines
+            assert count.startswith(f"hscapture export: {len(lines)} damaged samples skipped"), said
+        (line, *others) = lines
+        assert not others or ("shard" in kind and all(str(named) in other for other in others)), said
         assert line.startswith(f"hscapture {command[0]}: ") and str(named) in line, (command, said)
 
 

@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import re
 import zlib
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ import numpy as np
 
 from hscapture.config import DTYPES, STORE_DTYPES
 from hscapture.errors import StoreError
+from hscapture.store.directory import StoreDir
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +78,14 @@ def shard_name(shard_id: int) -> str:
     return f"shard-{shard_id:06d}.safetensors"
 
 
-def shard_files(root: Path) -> dict[int, Path]:
+def shard_files(root: Path | StoreDir) -> dict[int, Path]:
     """Shard files present in the store directory, by id (temp files and other names are not shards)."""
+    directory = StoreDir.of(root)
     found = {}
-    for path in root.iterdir():
-        match = SHARD_FILE.fullmatch(path.name)
+    for name in directory.names():
+        match = SHARD_FILE.fullmatch(name)
         if match:
-            found[int(match.group(1))] = path
+            found[int(match.group(1))] = directory.file(name)
     return found
 
 
@@ -119,19 +122,17 @@ def meta_problem(meta: Any) -> str:
     return ""
 
 
-def read_meta(root: Path) -> dict[str, Any] | None:
+def read_meta(root: Path | StoreDir) -> dict[str, Any] | None:
     """``meta.json`` of the store at ``root``, checked (None before the first run began).
 
     Raises:
-        StoreError: unreadable, not JSON, or lacking a field readers rely on; the message names the file.
+        StoreError: a link, unreadable, not JSON, or lacking a field readers rely on; the message names the file.
     """
-    path = root / META_FILE
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
+    directory = StoreDir.of(root)
+    path = directory.file(META_FILE)
+    text = directory.read(META_FILE)
+    if text is None:
         return None
-    except OSError as exc:
-        raise StoreError(f"{path}: unreadable ({exc.strerror})") from None
     try:
         meta = json.loads(text)
     except ValueError as exc:
@@ -143,7 +144,7 @@ def read_meta(root: Path) -> dict[str, Any] | None:
     return result
 
 
-def check_store_dtype(root: Path, requested: str | None) -> None:
+def check_store_dtype(root: Path | StoreDir, requested: str | None) -> None:
     """Refuse to add rows stored as ``requested`` to an existing store that stores them otherwise.
 
     ``requested`` None (store as captured, or as the store already does) always fits.
@@ -154,7 +155,7 @@ def check_store_dtype(root: Path, requested: str | None) -> None:
     held = meta.get("store_dtype", meta.get("dtype"))
     if held != requested:
         raise StoreError(
-            f"{root}: stores rows as {held}, not {requested}; leave --store-dtype unset to continue "
+            f"{StoreDir.of(root).path}: stores rows as {held}, not {requested}; leave --store-dtype unset to continue "
             "it as it is, or write to another --out directory"
         )
 
@@ -185,13 +186,17 @@ class IndexScan:
     torn_bytes: int = 0
 
 
-def scan_index(root: Path, version: int) -> IndexScan:
-    """Read and check every line of ``index.jsonl`` (version 2: each must carry its ``line_crc32``)."""
+def scan_index(root: Path | StoreDir, version: int) -> IndexScan:
+    """Read and check every line of ``index.jsonl`` (version 2: each must carry its ``line_crc32``).
+
+    Raises:
+        StoreError: the index is a link, not a regular file, or cannot be opened; the message names it.
+    """
     scan = IndexScan()
-    path = root / INDEX_FILE
-    if not path.exists():
+    fd = StoreDir.of(root).open_regular(INDEX_FILE)
+    if fd is None:
         return scan
-    with path.open("rb") as handle:
+    with os.fdopen(fd, "rb") as handle:
         for number, raw in enumerate(handle, 1):
             if not raw.endswith(b"\n"):
                 scan.torn_bytes = len(raw)
@@ -201,7 +206,7 @@ def scan_index(root: Path, version: int) -> IndexScan:
     return scan
 
 
-def read_index(root: Path, version: int | None = None) -> list[dict[str, Any]]:
+def read_index(root: Path | StoreDir, version: int | None = None) -> list[dict[str, Any]]:
     """All whole lines of ``index.jsonl``, checked; a torn last line (crash mid-append) is skipped.
 
     Args:
@@ -212,16 +217,18 @@ def read_index(root: Path, version: int | None = None) -> list[dict[str, Any]]:
         StoreError: a line is not JSON, not a valid record, or fails its checksum; the message
             names the file and line and how to repair it.
     """
+    directory = StoreDir.of(root)
     if version is None:
-        meta = read_meta(root)
+        meta = read_meta(directory)
         version = STORE_VERSION if meta is None else meta["version"]
-    scan = scan_index(root, version)
-    path = root / INDEX_FILE
+    scan = scan_index(directory, version)
+    path = directory.file(INDEX_FILE)
     if scan.torn_bytes:
         log.warning("%s: ignoring a torn last line of %d bytes", path, scan.torn_bytes)
     for line in scan.lines:
         if line.problem:
-            raise StoreError(f"{path}:{line.number}: {line.problem}; the index is corrupt: {REPAIR.format(root=root)}")
+            repair = REPAIR.format(root=directory.path)
+            raise StoreError(f"{path}:{line.number}: {line.problem}; the index is corrupt: {repair}")
     return [line.record for line in scan.lines if line.record is not None]
 
 

@@ -15,36 +15,39 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from hscapture.errors import StoreError
 from hscapture.ownership import open_own
-from hscapture.store.files import PRIVATE_FILE_MODE, write_atomic
-from hscapture.store.format import encode_line
+from hscapture.store.directory import PRIVATE_FILE_MODE, StoreDir
+from hscapture.store.files import replace_file
+from hscapture.store.format import INDEX_FILE, encode_line
 
 log = logging.getLogger(__name__)
 
 #: What a failed write leaves, said in every such error.
-KEPT = "what the index lists is intact; free space (or fix the disk) and run again to continue"
+KEPT = (
+    "what the index lists is intact; free space (or fix the disk) and run the same command again: it first records "
+    "the requests this run could not (hscapture verify reports them as unrecorded until then), then continues"
+)
 
 _Group = tuple[bytes, bool, Callable[[], None] | None]
 
 
 class IndexLog:
-    """Appends groups of index lines to ``path`` in order, on the ``hscapture-index`` thread.
+    """Appends groups of index lines to a store's ``index.jsonl`` in order, on the ``hscapture-index`` thread.
 
     Args:
-        path: the store's ``index.jsonl`` (created with ``mode`` if absent; a torn last line must be cut before).
+        directory: the store (its index is created with ``mode`` if absent; a torn last line must be cut before).
         mode: of the file, if it is created.
 
     Raises:
         AccessError: the index is a link, not a regular file, or another user's.
     """
 
-    def __init__(self, path: Path, mode: int = PRIVATE_FILE_MODE) -> None:
-        self.path = path
-        self._fd = open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "store index", mode)
+    def __init__(self, directory: StoreDir, mode: int = PRIVATE_FILE_MODE) -> None:
+        self.path = directory.file(INDEX_FILE)
+        self._fd = open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "store index", mode, directory.fd)
         self._queue: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()
         self._done = threading.Condition()
         self._queued = 0
@@ -131,9 +134,9 @@ class IndexLog:
             self._done.notify_all()
 
 
-def rewrite_index(path: Path, records: Iterable[dict[str, Any]], mode: int) -> None:
-    """Replace the index at ``path`` with ``records``, each line with its checksum, atomically.
+def rewrite_index(directory: StoreDir, records: Iterable[dict[str, Any]], mode: int) -> None:
+    """Replace the index of the store ``directory`` with ``records``, each line with its checksum, atomically.
 
     Only for a store whose lock is held: upgrading a version-1 store, or ``hscapture verify --repair``.
     """
-    write_atomic(path, b"".join(encode_line(r) for r in records), mode)
+    replace_file(directory, INDEX_FILE, b"".join(encode_line(r) for r in records), mode)

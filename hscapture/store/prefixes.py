@@ -26,12 +26,12 @@ import bisect
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hscapture.errors import StoreError
+from hscapture.store.directory import StoreDir
 from hscapture.store.format import read_meta, shard_name, shared_rows, tokens_crc32
 from hscapture.store.shardfile import ShardFile
 
@@ -94,12 +94,12 @@ class PrefixIndex:
     """Donors of prefixes by token content, over every request of a store and those in flight.
 
     Args:
-        root: the store directory.
+        directory: the store (its handle).
         records: its index lines at open (rebuilt from lazily, on the first lookup).
     """
 
-    def __init__(self, root: Path, records: list[dict[str, Any]]) -> None:
-        self.root = root
+    def __init__(self, directory: StoreDir, records: list[dict[str, Any]]) -> None:
+        self.directory = directory
         self._records: list[dict[str, Any]] | None = records
         self._meta: dict[str, Any] | None = None
         self._tokens: dict[str, np.ndarray] = {}  # recorded donors: int32 token ids [0, held)
@@ -230,7 +230,7 @@ class PrefixIndex:
                 if record["status"] == "complete":
                     complete.add(record["id"])
         shards = {r["id"]: r for r in records if r["type"] == "shard"}
-        with _Shards(self.root, shards) as files:
+        with _Shards(self.directory, shards) as files:
             for line in served.values():  # donors' lines come before the lines naming them
                 held = held_from_start(line)
                 if held and line["id"] not in self._session:
@@ -271,8 +271,8 @@ def _chain(tokens: np.ndarray) -> list[bytes]:
 class _Shards:
     """Shards opened while the index is built (at most 64 mapped at once)."""
 
-    def __init__(self, root: Path, lines: dict[int, dict[str, Any]]) -> None:
-        self.root, self.lines, self.meta = root, lines, read_meta(root)
+    def __init__(self, directory: StoreDir, lines: dict[int, dict[str, Any]]) -> None:
+        self.directory, self.lines, self.meta = directory, lines, read_meta(directory)
         self.open: dict[int, ShardFile | None] = {}
 
     def __enter__(self) -> _Shards:
@@ -290,7 +290,9 @@ class _Shards:
             try:
                 self.open[shard_id] = (
                     None if line is None or self.meta is None
-                    else ShardFile(self.root / shard_name(shard_id), self.meta, line["bytes"], shard_id)
+                    else ShardFile(
+                        self.directory.file(shard_name(shard_id)), self.meta, line["bytes"], shard_id, self.directory.fd
+                    )
                 )  # fmt: skip
             except StoreError:
                 self.open[shard_id] = None

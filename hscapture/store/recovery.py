@@ -13,13 +13,13 @@ as incomplete, with its spans and the positions it lacks, before writing anythin
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hscapture.errors import StoreError
 from hscapture.store.checksum import row_crcs
+from hscapture.store.directory import StoreDir
 from hscapture.store.format import ROW_CRC, shard_files
 from hscapture.store.records import Request, request_record
 from hscapture.store.shardfile import ShardFile
@@ -29,11 +29,13 @@ log = logging.getLogger(__name__)
 REASON = "consumer died before the request was recorded"
 
 
-def recover_open_runs(root: Path, records: list[dict[str, Any]], meta: dict[str, Any] | None) -> list[dict[str, Any]]:
+def recover_open_runs(
+    directory: StoreDir, records: list[dict[str, Any]], meta: dict[str, Any] | None
+) -> list[dict[str, Any]]:
     """Index lines that close every run left open by a dead consumer (empty when none is).
 
     Args:
-        root: the store directory.
+        directory: the store.
         records: its index lines, as :func:`hscapture.store.format.read_index` returns them.
         meta: its ``meta.json`` (None: no run ever began, so none is open).
     """
@@ -53,13 +55,13 @@ def recover_open_runs(root: Path, records: list[dict[str, Any]], meta: dict[str,
         session = records[start + 1 :]
         recorded[run_id] = {r["id"] for r in session if r["type"] == "request"}
         for line in (r for r in session if r["type"] == "shard"):
-            shard = open_shard(root / line["file"], meta, line["bytes"], line["id"])
+            shard = open_shard(directory, line["file"], meta, line["bytes"], line["id"])
             if shard is not None and shard.run_id == run_id:
                 collect_requests(shard, recorded[run_id], found, REASON)
     listed = {r["id"] for r in records if r["type"] == "shard"}
     adopted = []
-    for shard_id, path in sorted(shard_files(root).items()):
-        shard = None if shard_id in listed else open_shard(path, meta, shard_id=shard_id)
+    for shard_id, path in sorted(shard_files(directory).items()):
+        shard = None if shard_id in listed else open_shard(directory, path.name, meta, shard_id=shard_id)
         if shard is None or shard.run_id not in opened:
             continue
         line = shard_line(shard)
@@ -76,10 +78,12 @@ def recover_open_runs(root: Path, records: list[dict[str, Any]], meta: dict[str,
     return lines
 
 
-def open_shard(path: Path, meta: dict[str, Any], size: int | None = None, shard_id: int = -1) -> ShardFile | None:
-    """The shard at ``path``, or None (logged) when it cannot be read."""
+def open_shard(
+    directory: StoreDir, name: str, meta: dict[str, Any], size: int | None = None, shard_id: int = -1
+) -> ShardFile | None:
+    """The shard ``name`` of the store, or None (logged) when it cannot be read."""
     try:
-        return ShardFile(path, meta, size, shard_id)
+        return ShardFile(directory.file(name), meta, size, shard_id, directory.fd)
     except StoreError as exc:
         log.warning("%s; skipped", exc)
         return None

@@ -22,6 +22,7 @@ import numpy as np
 
 from hscapture.errors import StoreError
 from hscapture.fp8 import FP8_NAME, scale_name
+from hscapture.ownership import in_dir
 from hscapture.store.format import ITEM_BYTES, ROW_CRC, ROW_FIELDS, SHARD_FORMAT, ShardHeader, parse_shard_header
 
 #: numpy dtypes of the safetensors codes a shard holds besides the captured rows.
@@ -38,17 +39,21 @@ class ShardFile:
         meta: the store's ``meta.json``: which tensors, dtype and width every shard must hold.
         size: the size its index line gives (None: not listed, any size).
         shard_id: its id (what its name says).
+        dir_fd: the store directory's descriptor: ``path.name`` is opened in it (``path`` then names it in
+            messages only).
 
     Raises:
         StoreError: the file is missing, a link, empty, not of ``size``, or its header is unreadable
             or does not hold what ``meta`` says; the message names the file.
     """
 
-    def __init__(self, path: Path, meta: dict[str, Any], size: int | None = None, shard_id: int = -1) -> None:
+    def __init__(
+        self, path: Path, meta: dict[str, Any], size: int | None = None, shard_id: int = -1, dir_fd: int | None = None
+    ) -> None:
         self.path = path
         self.shard_id = shard_id
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(in_dir(path, dir_fd), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         except FileNotFoundError:
             raise StoreError(f"{path}: missing; the store was damaged after it was written") from None
         except OSError as exc:

@@ -31,6 +31,7 @@ non-finite values, and the shard is written as it stands.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -50,7 +51,7 @@ import torch
 from hscapture.fp8 import FP8, Quantizer, scale_name
 from hscapture.ownership import create_private, temp_sibling
 from hscapture.store.checksum import combine, combine_rows, row_crcs
-from hscapture.store.files import PRIVATE_FILE_MODE, fsync_dir
+from hscapture.store.directory import PRIVATE_FILE_MODE, StoreDir
 from hscapture.store.format import (
     ITEM_BYTES,
     ROW_CRC,
@@ -217,10 +218,15 @@ class ShardSpec:
 
 
 def write_shard(
-    root: Path, spec: ShardSpec, buffer: ShardBuffer, mode: int = PRIVATE_FILE_MODE, direct: DirectIO | None = None
+    directory: StoreDir,
+    spec: ShardSpec,
+    buffer: ShardBuffer,
+    mode: int = PRIVATE_FILE_MODE,
+    direct: DirectIO | None = None,
 ) -> dict[str, Any]:
-    """Write a shard to a temp file (created with ``mode``), fsync it, rename it, fsync the directory;
-    returns its index line. With ``direct`` (and it enabled) the row planes are written with O_DIRECT.
+    """Write a shard to a temp file (created with ``mode``) in the store ``directory``, fsync it, rename it,
+    fsync the directory; returns its index line. With ``direct`` (and it enabled) the row planes are written
+    with O_DIRECT.
 
     Raises:
         OSError: the write failed (the temp file is removed, nothing is renamed).
@@ -251,9 +257,9 @@ def write_shard(
     offsets, at = {}, len(head)
     for name, _, _ in layout:
         offsets[name], at = at, at + sizes[name]
-    path = root / shard_name(spec.shard_id)
+    path = directory.file(shard_name(spec.shard_id))
     tmp = temp_sibling(path)
-    fd = create_private(tmp, os.O_WRONLY, mode)
+    fd = create_private(tmp, os.O_WRONLY, mode, directory.fd)
     try:
         out = _Output(fd, spec.writeback_bytes, direct, tmp)
         crcs = {"": out.write(0, _bytes(head))}
@@ -283,13 +289,14 @@ def write_shard(
         os.fsync(fd)
     except BaseException:
         os.close(fd)
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            directory.unlink(tmp.name)
         raise
     os.close(fd)
     if direct is not None:
         direct.count(out.direct_bytes, at - out.direct_bytes)
-    os.replace(tmp, path)
-    fsync_dir(root)
+    directory.replace(tmp.name, path.name)
+    directory.fsync()
     line = {
         "type": "shard",
         "id": spec.shard_id,

@@ -34,6 +34,7 @@ import numpy as np
 
 from hscapture.errors import StoreError
 from hscapture.store.checksum import crc32_combine
+from hscapture.store.directory import StoreDir
 from hscapture.store.format import (
     INDEX_FILE,
     LOCK_FILE,
@@ -118,6 +119,9 @@ class VerifyReport:
     dangling: list[IndexProblem] = field(default_factory=list)
     #: Requests whose rows listed shards hold, recorded by no line (lost lines, or a dead writer's).
     unrecorded: list[str] = field(default_factory=list)
+    #: Those of them whose rows lie in shards of a run that never ended: its writer stopped before recording
+    #: them (killed, or a write failed, e.g. on a full disk); the next writer of the store records them.
+    unended: list[str] = field(default_factory=list)
     #: How many such requests a live writer has still to record (not a failure).
     pending: int = 0
 
@@ -157,9 +161,18 @@ def verify_store(
             a ``meta.json`` of another format or version).
     """
     root = Path(path)
-    meta = _check_is_store(root)
-    report = VerifyReport(root=str(root), meta_problem=meta_problem(meta))
-    shards, requests = _read_index(root, report, meta["version"])
+    if not root.is_dir():
+        raise StoreError(f"{root}: not a directory, so not an hscapture store")
+    with StoreDir.open(root) as directory:  # every file is read through it, never through a link
+        return _verify(directory, jobs, progress)
+
+
+def _verify(
+    directory: StoreDir, jobs: int, progress: Callable[[Iterable[ShardCheck], int], Iterable[ShardCheck]] | None
+) -> VerifyReport:
+    meta = _check_is_store(directory)
+    report = VerifyReport(root=str(directory.path), meta_problem=meta_problem(meta))
+    shards, requests, stopped = _read_index(directory, report, meta["version"])
     report.shards, report.requests = len(shards), len(requests)
 
     touching: dict[int, list[str]] = {}
@@ -178,8 +191,8 @@ def verify_store(
             spans.setdefault(shard_id, []).append((request_id, line, start, count))
         for shard_id in dict.fromkeys(s[0] for s in request_spans):
             touching.setdefault(shard_id, []).append(request_id)
-    writing = _writer_alive(root)
-    _find_unlisted(root, report, set(shards), writing)
+    writing = _writer_alive(directory)
+    _find_unlisted(directory, report, set(shards), writing)
 
     records = sorted(shards.values(), key=lambda record: record["id"])
     holds: dict[int, list[str]] = {}  # per shard, the request ids its header names
@@ -191,7 +204,9 @@ def verify_store(
     }
     pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="hscapture-verify")
     try:
-        checks: Iterable[ShardCheck] = pool.map(lambda r: _check_shard(root, r, spans.get(r["id"], []), holds), records)
+        checks: Iterable[ShardCheck] = pool.map(
+            lambda r: _check_shard(directory, r, spans.get(r["id"], []), holds), records
+        )
         if progress is not None:
             checks = progress(checks, len(records))
         for check in checks:
@@ -205,6 +220,7 @@ def verify_store(
         report.pending = len(unrecorded)
     else:
         report.unrecorded = unrecorded
+        report.unended = sorted({r for shard_id in stopped for r in holds.get(shard_id, ())} & set(unrecorded))
     for request_id, donors in references.donors.items():  # a damaged donor damages every request reading it
         for shard_id in dict.fromkeys(s[0] for donor in donors for s in requests[donor][1]["spans"]):
             if request_id not in touching.setdefault(shard_id, []):
@@ -223,16 +239,19 @@ def verify_store(
 # ---------------------------------------------------------------------------------------- index
 
 
-def _check_is_store(root: Path) -> dict[str, Any]:
+def _check_is_store(directory: StoreDir) -> dict[str, Any]:
     """``meta.json``, parsed, once it says this is a store of a version this hscapture reads."""
-    if not root.is_dir():
-        raise StoreError(f"{root}: not a directory, so not an hscapture store")
-    for name in (INDEX_FILE, META_FILE):
-        if not (root / name).is_file():
+    root = directory.path
+    found = {}
+    for name in (INDEX_FILE, META_FILE):  # a link in their place is refused, never followed
+        fd = directory.open_regular(name)
+        if fd is None:
             raise StoreError(f"{root}: no {name}; not an hscapture store (or nothing was captured into it yet)")
+        with os.fdopen(fd, "rb") as handle:
+            found[name] = handle.read() if name == META_FILE else b""
     try:
-        meta = json.loads((root / META_FILE).read_bytes())
-    except (ValueError, OSError) as exc:
+        meta = json.loads(found[META_FILE])
+    except ValueError as exc:
         raise StoreError(f"{root / META_FILE}: unreadable ({exc}); not an hscapture store") from None
     if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else meta
@@ -245,21 +264,29 @@ def _check_is_store(root: Path) -> dict[str, Any]:
 
 
 def _read_index(
-    root: Path, report: VerifyReport, version: int
-) -> tuple[dict[int, dict[str, Any]], dict[str, tuple[int, dict[str, Any]]]]:
-    """Shard lines by id, and per request id the line a reader serves (its first complete line, else its
-    last) with its number; bad lines and ids listed complete twice go into the report."""
-    scan = scan_index(root, version)
+    directory: StoreDir, report: VerifyReport, version: int
+) -> tuple[dict[int, dict[str, Any]], dict[str, tuple[int, dict[str, Any]]], set[int]]:
+    """Shard lines by id; per request id the line a reader serves (its first complete line, else its last)
+    with its number; the shards listed by a writer session that never ended (no ``run_end`` after its
+    ``run`` line). Bad lines and ids listed complete twice go into the report."""
+    scan = scan_index(directory, version)
     report.torn_tail, report.torn_tail_bytes = scan.torn_bytes > 0, scan.torn_bytes
     shards: dict[int, dict[str, Any]] = {}
     requests: dict[str, tuple[int, dict[str, Any]]] = {}
     complete: dict[str, int] = {}
+    session: dict[int, int] = {}  # per shard, the line of the run it was listed in (one writer at a time)
+    running: dict[str, int] = {}  # per run id, the line of its session not ended yet
     for line in scan.lines:
         record = line.record
         if record is None:
             report.bad_index_lines.append(IndexProblem(line.number, line.problem))
+        elif record["type"] == "run":
+            running[record["run_id"]] = line.number
+        elif record["type"] == "run_end":
+            running.pop(record["run_id"], None)
         elif record["type"] == "shard":
             shards[record["id"]] = record
+            session[record["id"]] = max(running.values(), default=0)
         elif record["type"] == "request":
             request_id = record["id"]
             if request_id in complete:
@@ -271,16 +298,17 @@ def _read_index(
                 complete[request_id] = line.number
             requests.pop(request_id, None)  # the later line, in its position
             requests[request_id] = (line.number, record)
-    return shards, requests
+    unended = set(running.values())
+    return shards, requests, {shard_id for shard_id, start in session.items() if start in unended}
 
 
-def _find_unlisted(root: Path, report: VerifyReport, listed: set[int], writing: bool) -> None:
+def _find_unlisted(directory: StoreDir, report: VerifyReport, listed: set[int], writing: bool) -> None:
     """Shard files no line lists: lost index lines, unless a live writer is writing them right now."""
     report.ignored = sorted(
-        name for name in os.listdir(root) if name.startswith("shard-") and not SHARD_FILE.fullmatch(name)
+        name for name in directory.names() if name.startswith("shard-") and not SHARD_FILE.fullmatch(name)
     )
     newest = max(listed, default=-1)
-    for shard_id, path in sorted(shard_files(root).items()):
+    for shard_id, path in sorted(shard_files(directory).items()):
         if shard_id in listed:
             continue
         if writing and shard_id > newest:
@@ -288,17 +316,17 @@ def _find_unlisted(root: Path, report: VerifyReport, listed: set[int], writing: 
             continue
         check = ShardCheck(shard_id, path.name, "lost", problems=[f"on disk but listed by no line of {INDEX_FILE}"])
         try:
-            with path.open("rb") as handle:
+            with _open(directory, path.name) as handle:
                 check.requests = _request_ids(_parse_header(handle, _file_size(handle)))
         except (OSError, ValueError) as exc:
-            check.problems.append(f"header unreadable: {exc}")
+            check.problems.append(f"header unreadable: {_reason(exc)}")
         report.lost.append(check)
 
 
-def _writer_alive(root: Path) -> bool:
+def _writer_alive(directory: StoreDir) -> bool:
     """Whether a writer holds the store's lock (probed with a shared lock, released at once)."""
     try:
-        fd = os.open(root / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = directory.open_file(LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False
     try:
@@ -313,19 +341,20 @@ def _writer_alive(root: Path) -> bool:
 # ---------------------------------------------------------------------------------------- shards
 
 
-def _check_shard(root: Path, record: dict[str, Any], spans: list[_Span], holds: dict[int, list[str]]) -> ShardCheck:
+def _check_shard(
+    directory: StoreDir, record: dict[str, Any], spans: list[_Span], holds: dict[int, list[str]]
+) -> ShardCheck:
     """The verdict on one listed shard; the request ids its header names go into ``holds``."""
     check = ShardCheck(id=record["id"], file=record["file"], status="ok")
-    path = root / record["file"]
     try:
-        handle = path.open("rb")
+        handle = _open(directory, record["file"])
     except FileNotFoundError:
         check.status = "missing"
         check.problems.append("file not found")
         return check
     except OSError as exc:
         check.status = "missing"
-        check.problems.append(f"cannot open: {exc.strerror or exc}")
+        check.problems.append(f"cannot open: {_reason(exc)}")
         return check
     with handle:
         try:
@@ -368,6 +397,18 @@ def _check_shard_bytes(handle: Any, record: dict[str, Any], check: ShardCheck, s
         where = "every tensor matches: the header differs" if expected else "no per-tensor checksums to narrow it"
         check.problems.append(f"file crc32 {whole:08x}, the index says {record['crc32']} ({where})")
     return table
+
+
+def _open(directory: StoreDir, name: str) -> Any:
+    """A shard file of the store, opened for reading, never through a link (``ELOOP`` if it is one)."""
+    return os.fdopen(directory.open_file(name, os.O_RDONLY | os.O_NONBLOCK), "rb")
+
+
+def _reason(exc: Exception) -> str:
+    """What an error opening or reading a shard says, a link named as such."""
+    if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
+        return "a symbolic link, which hscapture never follows (another user may have planted it)"
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
 
 
 def _request_ids(header: ShardHeader) -> list[str]:
@@ -485,9 +526,17 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
             f"{_listing(check.requests, show)}): its line was lost, or a writer died before listing it; "
             f"hscapture verify --repair {report.root} lists it"
         )
-    if report.unrecorded:
+    lost = [request_id for request_id in report.unrecorded if request_id not in report.unended]
+    if report.unended:
         lines.append(
-            f"lost index lines: {_listing(report.unrecorded, show)} hold rows in listed shards but no line records "
+            f"unrecorded: {_listing(report.unended, show)} hold rows in listed shards of a run that never ended: its "
+            "writer stopped before recording them (a write failed, e.g. on a full disk, or it was killed); run the "
+            "same command again, and its writer records them incomplete first (extract then captures them anew), "
+            f"or hscapture verify --repair {report.root} records them now"
+        )
+    if lost:
+        lines.append(
+            f"lost index lines: {_listing(lost, show)} hold rows in listed shards but no line records "
             f"them: their lines were lost, or a writer died before writing them; hscapture verify --repair "
             f"{report.root} records them incomplete (so does the next writer, for a dead writer's run)"
         )

@@ -30,7 +30,8 @@ from hscapture.errors import StoreError
 from hscapture.fp8 import FP8_NAME, host_kernels
 from hscapture.ownership import open_own
 from hscapture.store.checksum import crc_kernel
-from hscapture.store.files import lock_store, prepare_store_dir, remove_stale_temps, write_atomic
+from hscapture.store.directory import StoreDir
+from hscapture.store.files import lock_store, open_store_dir, remove_stale_temps, replace_file
 from hscapture.store.format import (
     INDEX_FILE,
     META_FILE,
@@ -191,14 +192,21 @@ class StoreWriter:
             raise ValueError(f"shard_buffers: {shard_buffers}; at least 2 (one filling, one being written)")
         self.root = Path(root)
         self.store_dtype = store_dtype_name(store_dtype)
-        self.file_mode = prepare_store_dir(self.root, share_group)
-        self._lock = lock_store(self.root, lock_timeout_s, self.file_mode, lock_fd)
+        #: The store directory, opened once: every file is made through it (wherever it is renamed to).
+        self._dir = open_store_dir(self.root, share_group)
+        self.file_mode = self._dir.file_mode
         try:
-            check_store_dtype(self.root, self.store_dtype)
+            self._lock = lock_store(self._dir, lock_timeout_s, self.file_mode, lock_fd)
+        except BaseException:
+            self._dir.close()
+            raise
+        try:
+            check_store_dtype(self._dir, self.store_dtype)
             self._meta = self._load_meta()
             self._open_existing()
         except BaseException:
             self._lock.close()
+            self._dir.close()
             raise
         #: Rows are stored as fp8 codes with a scale per row (this store's ``store_dtype``).
         self.fp8 = (self._meta or {}).get("store_dtype", self.store_dtype) == FP8_NAME
@@ -240,24 +248,24 @@ class StoreWriter:
     def _open_existing(self) -> None:
         """After taking the lock: remove our stale temp files, cut a torn index tail, upgrade a version-1
         store, close runs a dead writer left open, open the log."""
-        for name in remove_stale_temps(self.root):
+        for name in remove_stale_temps(self._dir):
             log.info("%s: removed %s, a temp file a writer left", self.root, name)
         self._repair_index()
-        records = read_index(self.root, None if self._meta is None else self._meta["version"])
+        records = read_index(self._dir, None if self._meta is None else self._meta["version"])
         if self._meta is not None and self._meta["version"] < STORE_VERSION:
             self._upgrade(records)
         self._indexed = {r["id"] for r in records if r["type"] == "shard"}
         # Past every shard on disk too: one left unlisted (its line lost) is never overwritten.
-        self._next_shard = 1 + max(self._indexed | set(shard_files(self.root)), default=-1)
+        self._next_shard = 1 + max(self._indexed | set(shard_files(self._dir)), default=-1)
         self._complete = {r["id"] for r in records if r["type"] == "request" and r["status"] == "complete"}
-        self._prefixes = PrefixIndex(self.root, records)
-        self._index = IndexLog(self.root / INDEX_FILE, self.file_mode)
-        self._index.append(recover_open_runs(self.root, records, self._meta))
+        self._prefixes = PrefixIndex(self._dir, records)
+        self._index = IndexLog(self._dir, self.file_mode)
+        self._index.append(recover_open_runs(self._dir, records, self._meta))
 
     def _upgrade(self, records: list[dict[str, Any]]) -> None:
         """Make a version-1 store version 2: every index line gets its checksum (index first: a crash
         in between leaves checksummed lines in a version-1 store, which version-1 readers ignore)."""
-        rewrite_index(self.root / INDEX_FILE, records, self.file_mode)
+        rewrite_index(self._dir, records, self.file_mode)
         self._set_version(STORE_VERSION)
 
     def _set_version(self, version: int) -> None:
@@ -265,7 +273,7 @@ class StoreWriter:
         assert self._meta is not None
         log.info("%s: store version %d -> %d", self.root, self._meta["version"], version)
         self._meta = {**self._meta, "version": version}
-        write_atomic(self.root / META_FILE, json.dumps(self._meta, indent=2).encode(), self.file_mode)
+        replace_file(self._dir, META_FILE, json.dumps(self._meta, indent=2).encode(), self.file_mode)
 
     # ------------------------------------------------------------------ runs
 
@@ -302,7 +310,7 @@ class StoreWriter:
         if self._meta is None:
             stored_as = {"store_dtype": self.store_dtype} if self.store_dtype is not None else {}
             self._meta = {"format": STORE_FORMAT, "version": STORE_VERSION, **spec, **stored_as}
-            write_atomic(self.root / META_FILE, json.dumps(self._meta, indent=2).encode(), self.file_mode)
+            replace_file(self._dir, META_FILE, json.dumps(self._meta, indent=2).encode(), self.file_mode)
         else:
             stored = {k: self._meta.get(k) for k in spec}
             if stored != spec:
@@ -497,6 +505,7 @@ class StoreWriter:
                 self._index.close()
             finally:
                 self._lock.close()
+                self._dir.close()
 
     # ------------------------------------------------------------------ internals
 
@@ -608,7 +617,7 @@ class StoreWriter:
             writeback_bytes=self.writeback_bytes,
         )
         self._writing[shard.shard_id] = self._pool.submit(
-            _write_and_free, self.root, spec, shard.buffer, self._free, self.file_mode, self.direct
+            _write_and_free, self._dir, spec, shard.buffer, self._free, self.file_mode, self.direct
         )
         self._commit_ready()
 
@@ -680,11 +689,12 @@ class StoreWriter:
         self.bytes_durable += nbytes
 
     def _load_meta(self) -> dict[str, Any] | None:
-        path = self.root / META_FILE
-        try:
-            found = json.loads(path.read_bytes())
-        except FileNotFoundError:
+        path = self._dir.file(META_FILE)
+        text = self._dir.read(META_FILE)
+        if text is None:
             return None
+        try:
+            found = json.loads(text)
         except ValueError:
             found = None  # read_meta says what is wrong
         if isinstance(found, dict) and (
@@ -694,12 +704,12 @@ class StoreWriter:
                 f"{path}: format {found.get('format')!r} v{found.get('version')}, expected {STORE_FORMAT!r} "
                 f"v{' or v'.join(map(str, READ_VERSIONS))}; write to another directory"
             )
-        return read_meta(self.root)
+        return read_meta(self._dir)
 
     def _repair_index(self) -> None:
         """Cut a torn last line (crash mid-append) so new lines start clean."""
         try:
-            fd = open_own(self.root / INDEX_FILE, os.O_RDWR, "store index")
+            fd = open_own(self._dir.file(INDEX_FILE), os.O_RDWR, "store index", dir_fd=self._dir.fd)
         except FileNotFoundError:
             return
         try:
@@ -719,10 +729,15 @@ def _pageable_bytes(nbytes: int) -> np.ndarray:
 
 
 def _write_and_free(
-    root: Path, spec: ShardSpec, buffer: ShardBuffer, free: queue.SimpleQueue[ShardBuffer], mode: int, direct: DirectIO
+    directory: StoreDir,
+    spec: ShardSpec,
+    buffer: ShardBuffer,
+    free: queue.SimpleQueue[ShardBuffer],
+    mode: int,
+    direct: DirectIO,
 ) -> dict[str, Any]:
     """Runs on a writer thread: write the shard, then give its buffer back."""
     try:
-        return write_shard(root, spec, buffer, mode, direct)
+        return write_shard(directory, spec, buffer, mode, direct)
     finally:
         free.put(buffer)
