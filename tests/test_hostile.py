@@ -484,7 +484,7 @@ class FakeProducer:
             return None
         return protocol.decode_to_producer(self.release.recv())
 
-    def wait_for(self, want: Callable[[Hello | Release], bool], timeout_s: float = 15.0) -> Hello | Release:
+    def wait_for(self, want: Callable[[Hello | Release], bool], timeout_s: float = 120.0) -> Hello | Release:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             message = self.receive(deadline - time.monotonic())
