@@ -500,11 +500,11 @@ class FakeProducer:
             self.released.extend([(release.slot, release.seq), *release.more])
         return self.released.popleft()
 
-    def first_hello(self, consumer: LiveConsumer, timeout_s: float = 15.0) -> None:
+    def first_hello(self, consumer: LiveConsumer, timeout_s: float = 120.0) -> None:
         self.consumer = consumer
         self.consumer_id = self.wait_for(lambda m: isinstance(m, Hello), timeout_s).consumer_id
 
-    def handshake(self, consumer: LiveConsumer, timeout_s: float = 15.0, **layout: Any) -> None:
+    def handshake(self, consumer: LiveConsumer, timeout_s: float = 120.0, **layout: Any) -> None:
         """Answer the consumer's hello with our layout and wait until it confirms."""
         self.first_hello(consumer, timeout_s)
         self.send(self.layout(**layout))
