@@ -9,6 +9,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -23,23 +24,47 @@ from hscapture.producer import Producer
 from tests.workload import Workload, make_config, make_producer
 
 
-def cli_refusal(*args: str | Path) -> tuple[int, str]:
-    """``hscapture ARGS`` run in this process, for a command line refused before any work starts (no process
-    start, no torch import to wait for): its exit status and what it wrote to stderr."""
+def run_cli(
+    *args: str | Path, in_process: bool = True, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """The one way tests run ``hscapture ARGS``: in this process where no process boundary is under test (no process
+    start and no torch import to wait for: seconds each on a 2-core host), else as a process of its own. Returns its
+    exit status, stdout and stderr (in this process: what it printed; its log records go to the test's logging).
+
+    ``env``: variables set for the command (in this process: for the call only)."""
+    argv = [str(a) for a in args]
+    if not in_process:
+        command = [sys.executable, "-m", "hscapture", *argv]
+        return subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        )
     from hscapture import cli
 
     root = logging.getLogger()  # the command line configures logging: left as it was for the tests after
     handlers, level = root.handlers[:], root.level
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    out, err = io.StringIO(), io.StringIO()
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            status = cli.main([str(a) for a in args])
+            status = cli.main(argv)
         except SystemExit as exc:  # argparse's own refusals
             status = exc.code if isinstance(exc.code, int) else 1
         finally:
             root.handlers[:] = handlers
             root.setLevel(level)
-    return status, err.getvalue()
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    return subprocess.CompletedProcess(["hscapture", *argv], status, out.getvalue(), err.getvalue())
+
+
+def cli_refusal(*args: str | Path) -> tuple[int, str]:
+    """``hscapture ARGS`` refused before any work starts, run in this process: its exit status and its stderr."""
+    done = run_cli(*args)
+    return done.returncode, done.stderr
 
 
 @contextlib.contextmanager
