@@ -558,7 +558,7 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
     if report.selections:
         kinds = ", ".join(f"--positions {kind}: {n}" for kind, n in report.selections.items())
         lines.append(
-            f"positions: requests holding rows at some positions only ({kinds}), each judged by those it asked"
+            f"positions: requests holding rows at some positions only ({kinds}), complete when holding those asked"
         )
     notes = [f"unverifiable: {c.file} (shard {c.id}): {'; '.join(c.problems)}" for c in report.unverifiable]
     notes += [f"ignored: {name} is not a shard name (readers ignore it too)" for name in report.ignored]
