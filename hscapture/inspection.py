@@ -128,11 +128,11 @@ def format_inspection(report: dict[str, Any]) -> str:
         f"tensors    {len(report['tensors'])} x {report['hidden_size']} {report['dtype']}",
         *(f"  {t['name']:<9} {t['description']}" for t in report["tensors"]),
         f"requests   {report['requests']:,}: {report['complete']:,} complete, {report['incomplete']:,} incomplete",
-        f"tokens     {report['tokens']:,} stored of {report['asked_tokens']:,} asked"
+        f"tokens     {report['tokens']:,} stored of "
         + (
-            f" (of {report['expected_tokens']:,} positions)"
-            if report["asked_tokens"] != report["expected_tokens"]
-            else ""
+            f"{report['expected_tokens']:,} expected"
+            if report["asked_tokens"] == report["expected_tokens"]
+            else f"{report['asked_tokens']:,} asked (of {report['expected_tokens']:,} positions)"
         )
         + f"; {report['loss_tokens']:,} in loss masks",
         *_selection_lines(report),
