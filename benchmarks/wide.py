@@ -20,11 +20,8 @@ and fp8 with every layer, and fp8 extraction >= 1.8x bf16's tok/s (it writes hal
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,8 +29,8 @@ from typing import Any
 import torch
 
 from benchmarks import store_rate
-from benchmarks.extract_speed import make_data, make_model, run_extract, run_plain
-from benchmarks.report import Outcome, SuiteSpec
+from benchmarks.extract_speed import model_and_data, run_extract, run_plain
+from benchmarks.report import Outcome, SuiteSpec, device_of, extract_bars, run_sections
 
 #: Goals: the store against a raw write of the same bytes, and fp8 extraction against bf16's.
 STORE_GOAL, FP8_SPEEDUP_GOAL = 0.9, 1.8
@@ -62,12 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outcome:
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.init()
-        name = torch.cuda.get_device_name(device)
-        tag = re.sub(r"[^a-z0-9]", "", name.split()[-1].lower()) or "gpu"
-    else:
-        name, tag = f"CPU ({os.cpu_count()} cores)", "cpu"
+    name, tag = device_of(device)
     tokens = args.tokens or (6_000 if args.tiny else 74_000)
     conversations = args.conversations or (24 if args.tiny else 60)
     settings = {
@@ -89,14 +81,13 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
     )
     work = Path(tempfile.mkdtemp(prefix="hscapture-wide-", dir=args.work_dir))
     try:
-        started = time.perf_counter()
-        model_dir = make_model(work, args.tiny, device)
-        from transformers import AutoConfig, AutoTokenizer
+        model_dir, data, _, outcome.results["setup_seconds"] = model_and_data(
+            work, args.tiny, device, conversations, tokens
+        )
+        from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir)
         layers, hidden = config.num_hidden_layers, config.hidden_size
-        data = make_data(work / "data.jsonl", AutoTokenizer.from_pretrained(model_dir), conversations, tokens)
-        outcome.results["setup_seconds"] = round(time.perf_counter() - started, 1)
         sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
             ("plain", lambda: run_plain(model_dir, data, args.device, args.max_batch_tokens, PAD, False))
         ]
@@ -117,14 +108,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
                 return store_rate.measure(*store_args, slot_mib, dtype, layers=every, num_layers=layers)
 
             sections.append((f"store-all-{stored}", store))
-        for section, measure in sections:
-            print(f"[wide suite] {section} ...", flush=True)
-            try:
-                outcome.results[section] = measure()
-            except Exception as exc:  # one failed section must not cost the others' figures
-                outcome.results[section] = {"error": str(exc)[-2000:]}
-            summarize(outcome)
-            checkpoint(outcome)
+        run_sections("wide", outcome, sections, summarize, checkpoint)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return outcome
@@ -232,10 +216,7 @@ def _size(nbytes: float) -> str:
 
 def chart(record: dict[str, Any]) -> dict[str, dict[str, float]]:
     results = record["results"]
-    bars = {"off": results.get("plain", {}).get("warm_tok_per_s", 0.0)}
-    bars.update({k[len("extract-") :]: v["tok_per_s"] for k, v in results.items() if k.startswith("extract-")
-                 and "tok_per_s" in v})  # fmt: skip
-    return {"extract vs the plain forward": bars}
+    return extract_bars(results, results.get("plain", {}).get("warm_tok_per_s", 0.0), "extract vs the plain forward")
 
 
 SUITE = SuiteSpec(
