@@ -41,6 +41,12 @@ forward hook keeps none of their rows and no record of them is sent. They also g
 namespace of their own (``cache_salt``): a request must never take a prefix from one of them (a
 health check's ``input_ids=[0]`` is many tokenizers' BOS), since the store has no rows to serve it.
 
+Fewer rows where the user wants fewer (:mod:`hscapture.selection`): with ``PluginSettings.positions``
+(``extract --engine sglang --positions``) each forward's rows are filtered per request before the copy
+(:class:`~hscapture.integrations.sglang_select.RowFilter`; decode steps then go by index, as batches
+holding SGLang's own requests do); with ``PluginSettings.sample_rate`` (``serve --sample-rate``) the
+tokenizer hook marks the requests not sampled as it marks SGLang's own, so the scheduler's hooks skip them.
+
 Rows are attributed from the ``ScheduleBatch``'s host-side lengths: extend and mixed batches
 hold contiguous blocks of ``extend_lens[i]`` rows at positions ``prefix_lens[i] + j``; decode
 batches one row per request at ``seq_lens_cpu[i] - 1``. A position a request already sent
