@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import shlex
@@ -55,7 +54,7 @@ import torch
 
 from benchmarks import gpu_ring
 from benchmarks.lean_llama import LLAMA_8B, save_random_llama
-from benchmarks.report import ROOT, Outcome, SuiteSpec
+from benchmarks.report import ROOT, Outcome, SuiteSpec, device_of, extract_bars, run_sections
 from hscapture import open_store
 from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
 from hscapture.extract import ExtractOptions
@@ -122,6 +121,20 @@ def make_data(path: Path, tokenizer: Any, conversations: int, tokens: int) -> Pa
                 count += lengths[(at - 1) % len(pool)]
             handle.write(json.dumps({"id": f"conv-{i:05d}", "messages": messages}) + "\n")
     return path
+
+
+def model_and_data(
+    work: Path, tiny: bool, device: torch.device, conversations: int, tokens: int
+) -> tuple[Path, Path, Any, float]:
+    """The model directory (:func:`make_model`), the data file (:func:`make_data`) and the tokenizer, made in
+    ``work``, and the seconds that took."""
+    from transformers import AutoTokenizer
+
+    started = time.perf_counter()
+    model_dir = make_model(work, tiny, device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = make_data(work / "data.jsonl", tokenizer, conversations, tokens)
+    return model_dir, data, tokenizer, round(time.perf_counter() - started, 1)
 
 
 def batch_shapes(batches: list[list[Any]], pad_to_multiple: int, max_batch_tokens: int) -> list[tuple[int, int]]:
@@ -329,12 +342,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
     device = torch.device(args.device)
     tokens = args.tokens or (20_000 if args.tiny else 508_000)
     conversations = args.conversations or (40 if args.tiny else 400)
-    if device.type == "cuda":
-        torch.cuda.init()
-        name = torch.cuda.get_device_name(device)
-        tag = re.sub(r"[^a-z0-9]", "", name.split()[-1].lower()) or "gpu"
-    else:
-        name, tag = f"CPU ({os.cpu_count()} cores)", "cpu"
+    name, tag = device_of(device)
     multiples = [int(m) for m in args.pad_multiples.split(",") if m.strip()]
     if not multiples or min(multiples) < 1:
         raise ValueError(f"--pad-multiples: {args.pad_multiples!r}; give positive integers, e.g. 1,64")
@@ -358,13 +366,9 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
     )
     work = Path(tempfile.mkdtemp(prefix="hscapture-extract-speed-", dir=args.work_dir))
     try:
-        started = time.perf_counter()
-        model_dir = make_model(work, args.tiny, device)
-        from transformers import AutoConfig, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        data = make_data(work / "data.jsonl", tokenizer, conversations, tokens)
-        outcome.results["setup_seconds"] = round(time.perf_counter() - started, 1)
+        model_dir, data, tokenizer, outcome.results["setup_seconds"] = model_and_data(
+            work, args.tiny, device, conversations, tokens
+        )
         layers = [] if args.tiny else ["--layers", LAYERS]
         sections: list[tuple[str, Callable[[], dict[str, Any]]]] = []
         for pad in multiples:
@@ -389,19 +393,14 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
             batches = plan_batches(samples, args.max_batch_tokens, ExtractOptions.max_batch_size, multiples[0])
             shapes = sorted(set(batch_shapes(batches, multiples[0], args.max_batch_tokens)))
             random.Random(0).shuffle(shapes)
+            from transformers import AutoConfig
+
             config = AutoConfig.from_pretrained(model_dir)
             sections.append(("sdpa", lambda: run_probe(shapes[:36], config, args.device)))
         if args.no_cudnn_sdp_plain:
             plain = (model_dir, data, args.device, args.max_batch_tokens, multiples[0], True)
             sections.append((f"plain-pad{multiples[0]}-no-cudnn-sdp", lambda: run_plain(*plain)))
-        for section, measure in sections:
-            print(f"[extract suite] {section} ...", flush=True)
-            try:
-                outcome.results[section] = measure()
-            except Exception as exc:  # one failed section must not cost the others' figures
-                outcome.results[section] = {"error": str(exc)[-2000:]}
-            summarize(outcome)
-            checkpoint(outcome)
+        run_sections("extract", outcome, sections, summarize, checkpoint)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return outcome
@@ -481,10 +480,7 @@ def table(record: dict[str, Any]) -> str:
 
 def chart(record: dict[str, Any]) -> dict[str, dict[str, float]]:
     results = record["results"]
-    bars = {"off": results.get("baseline", {}).get("tok_per_s", 0.0)}
-    bars.update({k[len("extract-") :]: v["tok_per_s"] for k, v in results.items() if k.startswith("extract-")
-                 and "tok_per_s" in v})  # fmt: skip
-    return {"extract vs fastest plain forward": bars}
+    return extract_bars(results, results.get("baseline", {}).get("tok_per_s", 0.0), "extract vs fastest plain forward")
 
 
 SUITE = SuiteSpec(

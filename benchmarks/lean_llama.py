@@ -113,7 +113,8 @@ class LeanLlama:
 
     Args:
         model: the HF model whose modules and weights are used as they are.
-        aux_layers: decoder layers whose entering residual stream is returned (EAGLE-3's aux set).
+        aux_layers: decoder layers whose entering residual stream is returned (EAGLE-3's aux set); ``L`` (the layer
+            count) is the final norm's input.
     """
 
     def __init__(self, model: LlamaForCausalLM, aux_layers: Sequence[int]) -> None:
@@ -123,11 +124,10 @@ class LeanLlama:
         self.layers = model.model.layers
         self.aux_layers = tuple(aux_layers)
         if list(self.aux_layers) != sorted(set(self.aux_layers)) or not all(
-            0 <= k < config.num_hidden_layers for k in self.aux_layers
+            0 <= k <= config.num_hidden_layers for k in self.aux_layers
         ):
             raise ValueError(
-                f"aux_layers: {list(self.aux_layers)} must be distinct ascending ids "
-                f"in 0..{config.num_hidden_layers - 1}"
+                f"aux_layers: {list(self.aux_layers)} must be distinct ascending ids in 0..{config.num_hidden_layers}"
             )
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -238,6 +238,8 @@ class LeanLlama:
             hidden = hidden + layer.self_attn.o_proj(out)
             gate, up = F.linear(_rms_norm(hidden, layer.post_attention_layernorm), self.gate_up[index]).chunk(2, dim=-1)
             hidden = hidden + layer.mlp.down_proj(F.silu(gate) * up)
+        if len(self.layers) in self.aux_layers:  # layer L: the residual stream leaving the last layer
+            states.append(hidden)
         last = _rms_norm(hidden, self.model.model.norm)
         return last, [*states, last]
 

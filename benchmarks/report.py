@@ -58,6 +58,44 @@ class SuiteSpec:
     tok_per_s: Callable[[dict[str, Any]], dict[str, dict[str, float]]]
 
 
+def device_of(device: Any) -> tuple[str, str]:
+    """A torch device's name, and the short tag result names carry (``h200``, ``cpu``)."""
+    if device.type != "cuda":
+        return f"CPU ({os.cpu_count()} cores)", "cpu"
+    import torch
+
+    torch.cuda.init()
+    name = torch.cuda.get_device_name(device)
+    return name, re.sub(r"[^a-z0-9]", "", name.split()[-1].lower()) or "gpu"
+
+
+def run_sections(
+    suite: str,
+    outcome: Outcome,
+    sections: list[tuple[str, Callable[[], dict[str, Any]]]],
+    after: Callable[[Outcome], None],
+    checkpoint: Callable[[Outcome], None],
+) -> None:
+    """Measure each section in turn into ``outcome.results``; one that fails keeps its error, not the others' figures
+    from being written. ``after`` (ratios, goals) and ``checkpoint`` (a partial record) run after each."""
+    for section, measure in sections:
+        print(f"[{suite} suite] {section} ...", flush=True)
+        try:
+            outcome.results[section] = measure()
+        except Exception as exc:
+            outcome.results[section] = {"error": str(exc)[-2000:]}
+        after(outcome)
+        checkpoint(outcome)
+
+
+def extract_bars(results: dict[str, Any], off: float, title: str) -> dict[str, dict[str, float]]:
+    """The chart of extraction sections (``extract-*``) against a baseline's tok/s (``off``)."""
+    bars = {"off": off}
+    bars.update({k[len("extract-") :]: v["tok_per_s"] for k, v in results.items() if k.startswith("extract-")
+                 and "tok_per_s" in v})  # fmt: skip
+    return {title: bars}
+
+
 def commit() -> str:
     """The commit measured: ``HSCAPTURE_COMMIT`` (a copy without git, e.g. the GPU machine), else git's HEAD."""
     given = os.environ.get("HSCAPTURE_COMMIT", "").strip()

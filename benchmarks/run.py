@@ -37,6 +37,7 @@ SUITES: dict[str, str] = {
     "read": "benchmarks.read_verify",
     "sglang": "benchmarks.sglang_serving",
     "store": "benchmarks.store_rate",
+    "wide": "benchmarks.wide",
 }
 
 

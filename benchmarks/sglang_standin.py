@@ -460,14 +460,15 @@ def expected_row(token: int, position: int, tensor: int) -> float:
     return token * 1024 + position + tensor / 4
 
 
-def capture_with_producer(config: CaptureConfig) -> SGLangCapture:
+def capture_with_producer(config: CaptureConfig, **settings: Any) -> SGLangCapture:
     """The plugin's per-process capture object with its producer made here, not at model load.
 
     The model-load hook reads SGLang's model and parallel state, which the stand-ins do not
     have; it leaves the producer, the captured layers and their width, set here as it sets them
     (a Llama). The forward and batch-result hooks and everything they call are the plugin's own.
+    ``settings``: more :class:`PluginSettings` fields (``positions``, ...).
     """
-    capture = SGLangCapture(PluginSettings(endpoint=config.endpoint, policy=config.policy))
+    capture = SGLangCapture(PluginSettings(endpoint=config.endpoint, policy=config.policy, **settings))
     descriptions = architecture("LlamaForCausalLM").describe(config.layers, config.capture_last)
     capture.producer = Producer(config, tensor_descriptions=descriptions, meta={"engine": "sglang stand-in"})
     capture.layers, capture.hidden = tuple(config.layers), config.hidden_size

@@ -92,13 +92,16 @@ def measure(
     store_dtype: str | None = None,
     consumer_args: tuple[str, ...] = (),
     compare_args: tuple[str, ...] | None = None,
+    layers: tuple[int, ...] = LAYERS,
+    num_layers: int = NUM_LAYERS,
 ) -> dict[str, Any]:
     """Store rate against a raw sequential write + fsync of the same bytes in ``work`` (buffered, and
     with O_DIRECT), ``repeats`` each; with ``compare_args`` also the store with those consumer flags.
+    ``layers`` (of a model of ``num_layers``) and the post-norm last state are the captured tensors.
 
     Repeats rotate the order of the sides so none always meets a warmer disk.
     """
-    tensors = len(LAYERS) + 1
+    tensors = len(layers) + 1
     slot = slot_mib * MiB
     rows = slot // (tensors * hidden * 2)
     steps = max(1, math.ceil(gib * GiB / (rows * tensors * hidden * 2)))
@@ -132,8 +135,8 @@ def measure(
 
         def _store_side(out: Path, args: tuple[str, ...]) -> tuple[float, int, dict[str, Any]]:
             watch, cpu = DiskWatch(disk), CpuWatch()
-            seconds, nbytes, timeline = _store_run(device, out, hidden, slot, rows, steps, states, positions,
-                                                   tokens, store_dtype, args, watch, cpu)  # fmt: skip
+            seconds, nbytes, timeline = _store_run(device, out, hidden, slot, rows, steps, states, positions, tokens,
+                                                   store_dtype, args, watch, cpu, layers, num_layers)  # fmt: skip
             shutil.rmtree(out, ignore_errors=True)
             return seconds, nbytes, {**timeline, "disk": watch.summary(), "cpu": cpu.summary()}
 
@@ -141,7 +144,7 @@ def measure(
             watch, cpu = DiskWatch(disk), CpuWatch()
             cpu.start()
             write_s, fsync_s = raw_write(
-                work / f"raw-{repeat}.bin", shard_bytes or _expected_bytes(steps, rows, hidden), watch, direct=direct
+                work / f"raw-{repeat}.bin", shard_bytes or steps * rows * tensors * hidden * 2, watch, direct=direct
             )
             cpu.stop()
             (direct_s if direct else raw_s).append(write_s + fsync_s)
@@ -172,6 +175,7 @@ def measure(
         }
     return {
         "stored_as": "fp8" if store_dtype else "bf16",
+        "tensors": tensors,
         "captured_bytes": captured,
         "bytes_per_repeat": shard_bytes,
         "repeats": repeats,
@@ -206,10 +210,6 @@ def _median_of(phases: list[dict[str, float]], key: str) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def _expected_bytes(steps: int, rows: int, hidden: int) -> int:
-    return steps * rows * (len(LAYERS) + 1) * hidden * 2
-
-
 def _store_run(
     device: torch.device,
     out: Path,
@@ -224,10 +224,12 @@ def _store_run(
     consumer_args: tuple[str, ...],
     watch: DiskWatch,
     cpu: CpuWatch,
+    layers: tuple[int, ...] = LAYERS,
+    num_layers: int = NUM_LAYERS,
 ) -> tuple[float, int, dict[str, float]]:
     """One capture into a fresh store; (seconds from the first step to the index's run_end, shard bytes, phases)."""
     config = CaptureConfig(
-        layers=LAYERS, hidden_size=hidden, num_layers=NUM_LAYERS, device=device.type, slot_bytes=slot,
+        layers=layers, hidden_size=hidden, num_layers=num_layers, device=device.type, slot_bytes=slot,
         ring_bytes=32 * slot, max_step_rows=rows, policy="block", endpoint=gpu_ring.endpoint(out.name),
         block_timeout_s=600.0,
     )  # fmt: skip
@@ -235,7 +237,7 @@ def _store_run(
     options += ["--store-dtype", store_dtype] if store_dtype else []
     spawned = time.perf_counter()
     consumer = subprocess.Popen(consume_command(config.endpoint, out, *options), env=gpu_ring.child_env())
-    producer = Producer(config, tensor_descriptions=describe(LAYERS, True, NUM_LAYERS), meta={"engine": "store-rate"})
+    producer = Producer(config, tensor_descriptions=describe(layers, True, num_layers), meta={"engine": "store-rate"})
     try:
         gpu_ring.attach(producer, consumer, timeout_s=180.0)
         attach_s = time.perf_counter() - spawned

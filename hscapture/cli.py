@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from hscapture.config import ConsumerConfig, MiB
+from hscapture.config import ConsumerConfig, MiB, layer_spec
 from hscapture.errors import HSCaptureError
 from hscapture.export import ExportOptions
 from hscapture.extract import ExtractOptions, ExtractSummary
@@ -30,10 +30,24 @@ SHOW_DAMAGED = 10
 
 
 def _layers(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.replace(",", " ").split())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give layer ids as integers, e.g. 2,16,29") from None
+    """Layer ids and ranges (``2,16,29``, ``0-32:4``), not ``all``."""
+    spec = _parsed(layer_spec)(text)
+    if isinstance(spec, str):
+        raise argparse.ArgumentTypeError(f"{text!r}: name the layer ids here (e.g. 2,16,29 or 0-32:4), not all")
+    return spec
+
+
+def _parsed(parse: Any) -> Any:
+    """``parse`` as an argparse type: its ValueError's message becomes the command line's error."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:  # argparse names the flag itself
+            raise argparse.ArgumentTypeError(re.sub(r"^--[\w-]+: ", "", str(exc))) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
 
 
 def _size(text: str) -> int:
@@ -145,7 +159,7 @@ def add_option_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
         else:
-            kwargs["type"] = _parse_type(cls, f.name, kind)
+            kwargs["type"] = _parsed(meta["parse"]) if meta.get("parse") else _parse_type(cls, f.name, kind)
             if "choices" not in kwargs:
                 kwargs["metavar"] = name[2:].upper().replace("-", "_")
         parser.add_argument(name, **kwargs)

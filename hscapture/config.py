@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -93,7 +94,12 @@ def eagle3_default_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def flag(
-    *, name: str | None = None, positional: str | None = None, choices: Sequence[str] | None = None, cli: bool = True
+    *,
+    name: str | None = None,
+    positional: str | None = None,
+    choices: Sequence[str] | None = None,
+    cli: bool = True,
+    parse: Callable[[str], Any] | None = None,
 ) -> dict[str, Any]:
     """Metadata for the command-line flag an options-dataclass field becomes (``hscapture.cli`` reads it).
 
@@ -107,11 +113,12 @@ def flag(
         positional: make it a positional argument shown as this name.
         choices: the values it accepts.
         cli: False keeps the field off the command line.
+        parse: what turns its text into the field's value, instead of its type (a ValueError says what is wrong).
     """
-    return {"cli": {"name": name, "positional": positional, "choices": choices, "cli": cli}}
+    return {"cli": {"name": name, "positional": positional, "choices": choices, "cli": cli, "parse": parse}}
 
 
-def check_layer_ids(layers: Sequence[int], num_layers: int) -> None:
+def check_layer_ids(layers: Sequence[int], num_layers: int, field_name: str = "layers") -> None:
     """Layer ids of a model with ``num_layers`` decoder layers are ``0..num_layers``.
 
     Raises:
@@ -120,10 +127,100 @@ def check_layer_ids(layers: Sequence[int], num_layers: int) -> None:
     bad = [k for k in layers if not 0 <= k <= num_layers]
     if bad:
         raise ValueError(
-            f"layers: {bad} out of range; the model has {num_layers} decoder layers, so ids must be in "
+            f"{field_name}: {bad} out of range; the model has {num_layers} decoder layers, so ids must be in "
             f"0..{num_layers} (id k = residual stream entering layer k; {num_layers} = leaving the last layer, "
             "before the final norm); use capture_last for the post-norm final state"
         )
+
+
+#: ``--layers all``: every decoder layer's output the engine can capture (ids ``1..L`` where it can).
+ALL_LAYERS = "all"
+_LAYER_ITEM = re.compile(r"(\d+)(?:-(\d+)(?::(\d+))?)?")
+#: What a layer spec looks like, said in every error about one.
+_LAYER_FORMS = "give ids and ranges, e.g. 2,16,29 or 0-32 or 0-32:4 or 1-8,16,24-32:4, or all"
+
+
+def layer_spec(value: str | Sequence[int], field_name: str = "--layers") -> str | tuple[int, ...]:
+    """A layer selection checked for form alone (no model needed): :data:`ALL_LAYERS`, or the ids it names in order.
+
+    Text is ids and ranges separated by commas or spaces: ``K``; ``A-B`` (``A..B``, both included);
+    ``A-B:S`` (every ``S``-th from ``A``, up to ``B``); or ``all`` alone. A sequence of ints is taken as the ids.
+
+    Raises:
+        ValueError: a part that is neither, a range running backwards or with step 0, a layer named twice.
+    """
+    if not isinstance(value, str):
+        ids = tuple(value)
+        for k in ids:
+            if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                raise ValueError(f"{field_name}: {k!r} is not a layer id; ids are ints >= 0 ({_LAYER_FORMS})")
+        repeated = sorted({k for k in ids if ids.count(k) > 1})
+        if repeated:
+            raise ValueError(f"{field_name}: layers {repeated} named twice in {list(ids)}; name each layer once")
+        return ids
+    items = value.replace(",", " ").split()
+    if [item.lower() for item in items] == [ALL_LAYERS]:
+        return ALL_LAYERS
+    ids: list[int] = []  # none: only what capture_last adds
+    named: dict[int, str] = {}
+    for item in items:
+        match = _LAYER_ITEM.fullmatch(item)
+        if match is None:
+            why = "all stands alone (it names every layer)" if item.lower() == ALL_LAYERS else _LAYER_FORMS
+            raise ValueError(f"{field_name}: {item!r} in {value!r} is not a layer id or range; {why}")
+        start, end, step = match.groups()
+        first, last, every = int(start), int(end if end is not None else start), int(step or 1)
+        if last < first or every < 1:
+            raise ValueError(
+                f"{field_name}: {item!r} is an empty range; give START-END[:STEP] with START <= END and STEP >= 1"
+            )
+        for k in range(first, last + 1, every):
+            if k in named:
+                raise ValueError(f"{field_name}: layer {k} named twice ({named[k]} and {item}); name each layer once")
+            named[k] = item
+            ids.append(k)
+    return tuple(ids)
+
+
+def resolve_layers(
+    value: str | Sequence[int],
+    num_layers: int,
+    capturable: tuple[int, int] | None = None,
+    engine: str = "",
+    field_name: str = "--layers",
+) -> tuple[int, ...]:
+    """The layer ids a selection names for a model of ``num_layers`` decoder layers.
+
+    Args:
+        value: as :func:`layer_spec` takes it.
+        num_layers: the model's decoder layers ``L`` (ids are ``0..L``).
+        capturable: the first and last id the engine can capture (default ``0..L``).
+        engine: who captures, for the error (``SGLang's LlamaForCausalLM``).
+        field_name: the option named in errors.
+
+    Returns:
+        The ids, in the order named. ``all``: every decoder layer's output the engine captures, ids
+        ``max(1, first)..last`` (layer 0, the embedding output, is a function of the token id alone:
+        name it to have it).
+
+    Raises:
+        ValueError: as :func:`layer_spec`, or an id the model or the engine does not have, named with
+            the range it has.
+    """
+    lo, hi = capturable if capturable is not None else (0, num_layers)
+    spec = layer_spec(value, field_name)
+    if spec == ALL_LAYERS:
+        return tuple(range(max(1, lo), hi + 1))
+    assert not isinstance(spec, str)
+    check_layer_ids(spec, num_layers, field_name)
+    bad = [k for k in spec if not lo <= k <= hi]
+    if bad:
+        who = engine or "this engine"
+        raise ValueError(
+            f"{field_name}: {who} captures layers {lo}..{hi} of the model's {num_layers}, got {bad} "
+            "(hscapture's numbering: layer k = the residual stream entering decoder layer k)"
+        )
+    return spec
 
 
 @dataclass

@@ -39,7 +39,10 @@ class CaptureDataset(Dataset[Sample]):
             skips the CRC-32s (``benchmarks/read_verify.py`` measures what they cost).
 
     Each item: ``input_ids``, ``positions``, ``loss_mask`` (int64 ``[seq]``) and each requested
-    tensor ``[seq, hidden]``, rows sorted by position.
+    tensor ``[seq, hidden]``, rows sorted by position. A sample captured at some positions only
+    (``hscapture extract --positions loss|last|every:K``) yields the rows it holds, ``seq`` of them,
+    with their position ids in ``positions`` (not ``0..seq-1``) and their own token ids; it is complete
+    when it holds every position it asked for.
 
     Raises:
         StoreError: not a store, or a damaged one. KeyError: a tensor or key the store does not hold (or

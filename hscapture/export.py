@@ -33,6 +33,7 @@ import json
 import os
 import re
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,7 @@ def export(options: ExportOptions) -> ExportSummary:
         raise ValueError(f"--limit: {options.limit} is negative; give how many samples to export")
     store = open_store(options.store)
     tensors = choose_tensors(store, options.format, options.aux_layers, options.num_layers, options.any_aux_count)
+    _refuse_selections(store, options.format)
     writer = _WRITERS[options.format]
     out = Path(options.out)
     mode = prepare_store_dir(out, what="export directory")
@@ -275,6 +277,24 @@ def _eligible(store: StoreLike, options: ExportOptions, summary: ExportSummary) 
             continue
         keys.append(key)
     return keys if options.limit is None else keys[: options.limit]
+
+
+def _refuse_selections(store: StoreLike, format: str) -> None:
+    """Both trainers read a row for every position (row ``i`` is position ``i``): samples captured at some positions
+    only (``--positions``) cannot be exported for them.
+
+    Raises:
+        ValueError: the store holds such samples; one line, with the fix.
+    """
+    chosen = Counter(store.record(key).get("positions") for key in store)
+    chosen.pop(None, None)
+    if chosen:
+        kinds = " and ".join(f"--positions {kind} ({n} samples)" for kind, n in chosen.items())
+        raise ValueError(
+            f"--format {format}: {store.root} holds samples captured with {kinds}, rows at some positions only, and "
+            f"{format} reads a row for every position; extract them again with --positions all (the default) into "
+            "another --out, or train on the rows held with hscapture.dataset.CaptureDataset"
+        )
 
 
 def _contiguous(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -41,13 +41,22 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
-from hscapture.config import STORE_DTYPES, MiB, ensure_writable_dir, flag, store_dtype_name, usable_cores
+from hscapture.config import (
+    STORE_DTYPES,
+    MiB,
+    ensure_writable_dir,
+    flag,
+    layer_spec,
+    store_dtype_name,
+    usable_cores,
+)
 from hscapture.consumer import consume_command
 from hscapture.data import Sample, check_batching, keyed_records, load_samples, plan_batches, tokenize_workers
 from hscapture.errors import HSCaptureError
 from hscapture.inspection import capture_failure
 from hscapture.parallel import Job, Shared, run_jobs
 from hscapture.partition import Part
+from hscapture.selection import Positions
 from hscapture.store.collection import StoreSet, is_store, named_job, named_part, part_dir, part_dirs
 from hscapture.store.files import StoreLock, group_id, lock_store, prepare_store_dir
 from hscapture.store.format import META_FILE, check_store_dtype
@@ -68,8 +77,13 @@ class ExtractOptions:
     model: Path | None = None
     #: JSONL of OpenAI messages, ShareGPT conversations, prompt or text records (default: 200 demo conversations).
     data: Path | None = None
-    #: Layer ids, k = the residual stream entering decoder layer k (default: EAGLE-3's 2, L/2, L-3).
-    layers: tuple[int, ...] | None = None
+    #: Layer ids and ranges, k = the residual stream entering decoder layer k: 2,16,29 or 0-32 or 0-32:4
+    #: (every 4th), or all (every decoder layer's output the engine captures: 1..L for HF; 0 only when named);
+    #: default EAGLE-3's 2, L/2, L-3.
+    layers: str | tuple[int, ...] | None = field(default=None, metadata=flag(parse=layer_spec))
+    #: Positions of each sample to capture: all; loss (the trained tokens); last (its last token); every:K
+    #: (positions 0, K, 2K, ...). The store records it; a rerun must give the same.
+    positions: str = "all"
     #: Also capture the post-norm final hidden state (what the LM head reads).
     capture_last: bool = field(default=True, metadata=flag(name="--last"))
     #: Activation and storage dtype: bfloat16, float16 or float32 (default: the model's own).
@@ -230,8 +244,15 @@ def check_options(options: ExtractOptions) -> Path:
         ValueError: nothing to capture, a device this host lacks, a bad limit, engine, mode or share
             group, or a data file that is missing, not a file, or holds a bad record (named by line).
     """
-    if options.layers is not None and not options.layers and not options.capture_last:
+    if options.layers is not None and not layer_spec(options.layers) and not options.capture_last:
         raise ValueError("--layers: nothing to capture (no layer ids and --no-last); give layer ids or drop --no-last")
+    positions = Positions.parse(options.positions)
+    if options.engine == "sglang" and options.mode == "regenerate" and positions.kind == "last":
+        raise ValueError(
+            "--positions last with --mode regenerate: a generated answer's last token is known only once generation "
+            "ends, after its row left the engine; use --positions loss (the answer), or --mode teacher on samples "
+            "that hold the answers"
+        )
     if options.limit is not None and options.limit < 1:
         raise ValueError(f"--limit: {options.limit}; give how many records of the data to capture (at least 1)")
     if options.tokenize_workers is not None and not 1 <= options.tokenize_workers <= 256:
@@ -286,13 +307,13 @@ def open_engine(options: ExtractOptions) -> OfflineEngine:
         return SGLangExtraction(
             options.model, options.layers, options.capture_last, options.dtype, options.device, options.mode,
             options.max_batch_size, options.max_new_tokens, options.temperature, options.sglang_args,
-            graph_copy=options.graph_copy,
+            graph_copy=options.graph_copy, positions=options.positions,
         )  # fmt: skip
     from hscapture.integrations.hf import HFExtraction
 
     return HFExtraction(
         options.model, options.layers, options.capture_last, options.dtype, options.device,
-        options.max_batch_tokens, options.max_batch_size, options.pad_to_multiple,
+        options.max_batch_tokens, options.max_batch_size, options.pad_to_multiple, options.positions,
     )  # fmt: skip
 
 
@@ -341,6 +362,7 @@ def _with_engine(
     lock = lock_store(out, 1.0, prepare_store_dir(out, options.share_group))
     try:
         check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
+        check_store_positions(out, options.positions)
         loading = time.monotonic()
         engine = open_engine(options)
         load_seconds = time.monotonic() - loading
@@ -350,6 +372,24 @@ def _with_engine(
             engine.shutdown()
     finally:
         lock.close()
+
+
+def check_store_positions(out: Path, positions: str) -> None:
+    """Refuse to add samples captured at other positions to a store: a rerun skips the samples it holds complete,
+    so a store of mixed selections would hold some samples at every position and others at a few.
+
+    Raises:
+        ValueError: the store's runs captured another selection (named, with the fix).
+    """
+    if not (out / META_FILE).exists():
+        return
+    wanted = str(Positions.parse(positions))
+    held = sorted({str(run.get("meta", {}).get("positions", "all")) for run in open_store(out).metadata()["runs"]})
+    if held and held != [wanted]:
+        raise ValueError(
+            f"--positions {wanted}: the store at {out} holds samples captured with --positions {' and '.join(held)}; "
+            f"give --positions {held[0]} to resume it, or write to another --out"
+        )
 
 
 def parse_split(options: ExtractOptions) -> tuple[Part | None, int]:
@@ -495,6 +535,7 @@ def _extract_shared(options: ExtractOptions, out: Path, part: Part | None, jobs:
     names = [part_dir(part, j) for j in range(jobs)]
     for name in names:
         check_store_dtype(out / name, store_dtype_name(options.store_dtype, "--store-dtype"))
+        check_store_positions(out / name, options.positions)
     earlier = run_stores(out, part)
     skip: set[str] = set().union(*(done_keys(store) for store in earlier))
     keep = part.owns if part is not None else None

@@ -18,6 +18,7 @@ from typing import Any
 
 from hscapture.config import MiB
 from hscapture.store.collection import StoreSet, open_store
+from hscapture.store.format import asked_rows
 from hscapture.store.reader import Store
 
 #: Capture-config keys not worth a person's attention in the text view (the JSON has them all).
@@ -40,6 +41,7 @@ def inspect_store(path: str | Path | Sequence[str | Path], max_listed: int = 10)
     runs = meta["runs"]
     reasons = Counter(_reason_kind(part) for r in incomplete for part in r["reason"].split("; ") if part)
     latest = runs[-1].get("meta", {}) if runs else {}
+    rates = sorted({run["meta"]["sample_rate"] for run in runs if run.get("meta", {}).get("sample_rate") is not None})
     return {
         "store": str(store.root),
         "format": meta.get("format"),
@@ -55,6 +57,9 @@ def inspect_store(path: str | Path | Sequence[str | Path], max_listed: int = 10)
         "requests_sharing": summary["requests_sharing"],
         "bytes_shared": summary["bytes_shared"],
         "expected_tokens": sum(r["num_tokens"] for r in records),
+        "asked_tokens": sum(asked_rows(r) for r in records),
+        "positions": dict(Counter(r.get("positions", "all") for r in records).most_common()),
+        "sample_rates": rates,
         "loss_tokens": sum(end - start for r in records for start, end in r["loss_mask"]),
         "shards": summary["shards"],
         "bytes": summary["bytes"],
@@ -123,8 +128,14 @@ def format_inspection(report: dict[str, Any]) -> str:
         f"tensors    {len(report['tensors'])} x {report['hidden_size']} {report['dtype']}",
         *(f"  {t['name']:<9} {t['description']}" for t in report["tensors"]),
         f"requests   {report['requests']:,}: {report['complete']:,} complete, {report['incomplete']:,} incomplete",
-        f"tokens     {report['tokens']:,} stored of {report['expected_tokens']:,} expected; "
-        f"{report['loss_tokens']:,} in loss masks",
+        f"tokens     {report['tokens']:,} stored of "
+        + (
+            f"{report['expected_tokens']:,} expected"
+            if report["asked_tokens"] == report["expected_tokens"]
+            else f"{report['asked_tokens']:,} asked (of {report['expected_tokens']:,} positions)"
+        )
+        + f"; {report['loss_tokens']:,} in loss masks",
+        *_selection_lines(report),
         f"shared     {report['rows_shared']:,} rows served by reference to a donor's rows "
         f"({report['requests_sharing']:,} requests; ~{report['bytes_shared'] / MiB:,.1f} MiB not stored twice)",
         f"disk       {report['bytes'] / MiB:,.1f} MiB in {report['shards']:,} shards "
@@ -163,6 +174,31 @@ def format_inspection(report: dict[str, Any]) -> str:
         if unlisted:
             lines.append(f"  ... and {unlisted:,} more (hscapture inspect --json --max-listed N lists more)")
     return "\n".join(lines)
+
+
+def _selection_lines(report: dict[str, Any]) -> list[str]:
+    """What was kept of each sample and of the requests, when not everything was: which positions, which share."""
+    lines = []
+    chosen = {k: n for k, n in report["positions"].items() if k != "all"}
+    if chosen:
+        said = "; ".join(f"{kind} ({_kept(kind)}): {n:,} samples" for kind, n in chosen.items())
+        lines.append(
+            f"positions  rows at some positions only: {said}"
+            + (f"; all: {report['positions']['all']:,}" if "all" in report["positions"] else "")
+            + ". A sample is complete when it holds every position asked; get() returns those, with their positions"
+        )
+    if report["sample_rates"]:
+        shown = ", ".join(f"{rate:g}" for rate in report["sample_rates"])
+        lines.append(
+            f"sampled    requests captured at rate {shown}, chosen by a hash of the request id (--sample-rate)"
+        )
+    return lines
+
+
+def _kept(kind: str) -> str:
+    """What a ``--positions`` selection keeps, for people."""
+    step = kind.partition(":")[2]
+    return {"loss": "the trained tokens", "last": "each sample's last token"}.get(kind, f"positions 0, {step}, ...")
 
 
 def capture_failure(out: Path) -> str:

@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 
 from hscapture.errors import ProtocolError
+from hscapture.selection import Positions
 
 #: 2: announcements addressed to one consumer (ROUTER/DEALER), :class:`Refused`, liveness fields in :class:`Hello`.
 #: 3: :class:`Announcements` (several chunks in one message), ``Release.more`` (several slots released in one).
@@ -152,7 +153,8 @@ class RequestFinished(Message, tag="finished"):
     position ranges ``[start, end)`` that are trained on. ``prefix_token_ids`` (int64 array, as
     :func:`pack_rows` packs it) are the token ids of the request's first positions that the engine
     never forwarded (a prefix-cache hit): the store finds the rows of those tokens in the request
-    that computed them.
+    that computed them. ``positions`` is the selection its rows were captured at
+    (:class:`~hscapture.selection.Positions`, e.g. ``loss``; empty: every position).
     """
 
     request_id: str
@@ -162,6 +164,7 @@ class RequestFinished(Message, tag="finished"):
     loss_mask: list[tuple[int, int]] = []
     meta: dict[str, Any] = {}
     prefix_token_ids: bytes = b""
+    positions: str = ""
 
 
 class EndOfStream(Message, tag="eos"):
@@ -258,6 +261,15 @@ def unpack_prefix(message: RequestFinished) -> np.ndarray | None:
     if len(data) % ROW_DTYPE.itemsize:
         raise ProtocolError(f"RequestFinished.prefix_token_ids: {len(data)} bytes, not a whole number of int64")
     return np.frombuffer(data, dtype=ROW_DTYPE) if data else None
+
+
+def checked_positions(message: RequestFinished) -> str:
+    """``RequestFinished.positions`` as the store records it ('' for every position), checked."""
+    try:
+        chosen = Positions.parse(message.positions, "RequestFinished.positions")
+    except ValueError as exc:
+        raise ProtocolError(f"{exc} (request {message.request_id!r})") from None
+    return "" if chosen.everything else str(chosen)
 
 
 def check_chunk(chunk: Chunk, layout: Layout, row_bytes: int) -> None:

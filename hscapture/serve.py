@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hscapture.config import POLICIES, MiB, ensure_writable_dir, flag
+from hscapture.config import POLICIES, MiB, ensure_writable_dir, flag, layer_spec
 from hscapture.consumer import consume_command
 from hscapture.inspection import capture_failure
 from hscapture.integrations.sglang import (
@@ -38,6 +38,7 @@ from hscapture.integrations.sglang import (
 )
 from hscapture.integrations.sglang_models import launch_plan
 from hscapture.keys import KEYS_ENV, ensure_keys
+from hscapture.selection import check_rate
 from hscapture.store.collection import open_store
 from hscapture.store.files import prepare_store_dir
 
@@ -48,8 +49,12 @@ class ServeOptions:
 
     #: Store directory (appended to if it exists; one per attention-DP group below it with DP).
     out: Path
-    #: Layer ids, k = the residual stream entering decoder layer k (default: SGLang's EAGLE-3 layers).
-    layers: tuple[int, ...] | None = None
+    #: Layer ids and ranges, k = the residual stream entering decoder layer k: 2,16,29 or 1-31:2, or all (every
+    #: layer this architecture's capture reaches, from 1); default SGLang's EAGLE-3 layers.
+    layers: str | tuple[int, ...] | None = field(default=None, metadata=flag(parse=layer_spec))
+    #: Capture this share of the requests (0 < rate <= 1), chosen by a hash of the request id, so a rerun with the
+    #: same ids picks the same ones; the others cost the engine only the check (default: every request).
+    sample_rate: float | None = None
     #: Also capture the post-norm final hidden state (what the LM head reads).
     capture_last: bool = field(default=True, metadata=flag(name="--last"))
     #: ``drop`` (serving never waits; drops are counted) or ``block`` (nothing lost).
@@ -101,6 +106,7 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
     if model is None:
         raise ValueError("give SGLang's --model-path after --, e.g. hscapture serve --out DIR -- --model-path M")
     streams = capture_streams(sglang_args)
+    check_rate(options.sample_rate)
     prepare_store_dir(ensure_writable_dir(Path(options.out), "--out"), options.share_group)
     base = options.endpoint or f"ipc:///tmp/hscapture-{os.getuid()}/serve-{os.getpid()}"
     plan = launch_plan(model, options.layers)  # refuses what SGLang's capture cannot give, before it starts
@@ -109,10 +115,15 @@ def serve(options: ServeOptions, sglang_args: list[str]) -> int:
         capture_last=options.capture_last,
         policy=options.policy,
         slot_bytes=options.slot_bytes,
-        meta={"launcher": "hscapture serve", "server_args": sglang_args},
+        meta={
+            "launcher": "hscapture serve",
+            "server_args": sglang_args,
+            **({"sample_rate": options.sample_rate} if options.sample_rate is not None else {}),
+        },
         graph_copy=options.graph_copy,
         layers=list(plan.layers),
         http_server=True,
+        sample_rate=options.sample_rate,
     )
     env = {**os.environ, ENV: settings.to_env()}
     keys_args: list[str] = []

@@ -61,6 +61,7 @@ TIERS: list[tuple[str, dict[str, list[str]]]] = [
                 "hscapture.cuda_kernels",
                 "hscapture.data",
                 "hscapture.partition",
+                "hscapture.selection",
                 "hscapture.tiny",
             ]
         },

@@ -22,6 +22,7 @@ from benchmarks import report
 from benchmarks.gpu_serving import VARIANTS, ServingLoop, resolve
 from benchmarks.lean_llama import TINY, KVCache, LeanLlama, random_llama
 from hscapture import open_store
+from hscapture.config import resolve_layers
 from hscapture.integrations.hf import eagle3_default_layers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,26 @@ def test_lean_forward_matches_hf_prefill_and_decode() -> None:
         tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
         positions = torch.full((2,), tokens.shape[1] - 1)
         states, next_ids = engine.decode(cache, next_ids, positions)
+
+
+def test_lean_forward_returns_every_layer_with_layer_l() -> None:
+    """``--layers all`` in the gpu suite: layers 1..L, where L (the final norm's input) is HF's last hidden state
+    before its final norm."""
+    torch.manual_seed(0)
+    model = random_llama(TINY, torch.device("cpu"), torch.float32)
+    count = TINY["num_hidden_layers"]
+    engine = LeanLlama(model, resolve_layers("all", count))
+    cache = KVCache.allocate(model.config, 2, 8, torch.device("cpu"), torch.float32)
+    prompt = torch.randint(0, TINY["vocab_size"], (2, 5))
+    states, _ = engine.prefill(cache, prompt)
+    with torch.no_grad():
+        hf = model(prompt, output_hidden_states=True).hidden_states
+        norm, model.model.norm = model.model.norm, torch.nn.Identity()
+        unnormed = model(prompt, output_hidden_states=True).hidden_states
+        model.model.norm = norm
+    assert len(states) == count + 1 == engine.num_states
+    for got, want in zip(states, [*hf[1:count], unnormed[count], hf[count]]):
+        torch.testing.assert_close(got, want.reshape(-1, want.shape[-1]), rtol=1e-4, atol=1e-5)
 
 
 def test_lean_llama_refuses_unordered_aux_layers() -> None:

@@ -346,3 +346,31 @@ def test_consumer_bad_endpoint(tmp_path: Path) -> None:
 def test_consumer_other_fields(tmp_path: Path, field: str, value: object, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         ConsumerConfig(out_dir=tmp_path, **{field: value})
+
+
+def test_layer_specs_name_ids_ranges_or_all_and_refuse_the_rest_with_what_they_take() -> None:
+    from hscapture.config import layer_spec, resolve_layers
+
+    assert layer_spec("2,16,29,32") == (2, 16, 29, 32) and layer_spec("2 16") == (2, 16)
+    assert layer_spec("0-32:8") == (0, 8, 16, 24, 32) and layer_spec("1-3,30-32") == (1, 2, 3, 30, 31, 32)
+    assert layer_spec("ALL") == "all" and layer_spec("") == () and layer_spec([3, 1]) == (3, 1)
+    assert resolve_layers("all", 32) == tuple(range(1, 33))  # every decoder layer's output; 0 only when named
+    assert resolve_layers("all", 32, (0, 31)) == tuple(range(1, 32)) and resolve_layers("0-4:2", 8) == (0, 2, 4)
+    refusals = {
+        "2,x": "--layers: 'x' in '2,x' is not a layer id or range; give ids and ranges, e.g. 2,16,29 or 0-32",
+        "9-3": "--layers: '9-3' is an empty range; give START-END[:STEP] with START <= END and STEP >= 1",
+        "0-8:0": "--layers: '0-8:0' is an empty range",
+        "1-4,4": "--layers: layer 4 named twice (1-4 and 4); name each layer once",
+        "all,3": "--layers: 'all' in 'all,3' is not a layer id or range; all stands alone (it names every layer)",
+        "-1": "--layers: '-1' in '-1' is not a layer id or range",
+    }
+    for spec, message in refusals.items():
+        with pytest.raises(ValueError) as refused:
+            layer_spec(spec)
+        assert str(refused.value).startswith(message), refused.value
+    with pytest.raises(ValueError, match=r"^--layers: \[33\] out of range; the model has 32 decoder layers, so ids"):
+        resolve_layers("0-33:3", 32)
+    with pytest.raises(ValueError, match=r"^--layers: SGLang's X captures layers 1\.\.31 of the model's 32, got \[0\]"):
+        resolve_layers("0,2", 32, (1, 31), "SGLang's X")
+    with pytest.raises(ValueError, match=r"--layers: layers \[2\] named twice in \[2, 5, 2\]"):
+        layer_spec([2, 5, 2])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,14 +40,20 @@ from benchmarks.sglang_standin import (
 from hscapture import CaptureConfig, open_store
 from hscapture.config import SLOT_ALIGN, MiB
 from hscapture.integrations.sglang import (
+    LOSS_MASK_PARAM,
     MAX_PENDING,
+    OWN_CACHE_SALT,
     OWN_PARAM,
     RING_SLOTS,
     SLOT_ROWS,
+    PluginSettings,
+    SGLangCapture,
     default_ring_bytes,
     default_slot_bytes,
 )
 from hscapture.producer import RUN_STEPS
+from hscapture.selection import Positions, check_rate, sampled
+from hscapture.store.format import SELECTION_VERSION
 from tests.conftest import ConsumerFactory, wait_attached
 
 HIDDEN = 32
@@ -348,3 +355,93 @@ def test_sglang_marks_its_own_requests_and_stops_as_the_plugin_expects() -> None
     assert "cache_salt=obj.cache_salt" in tokenized and "sampling_params=sampling_params" in tokenized
     handle = inspect.getsource(scheduler.Scheduler._handle_generate_request)
     assert "cache_salt=recv_req.cache_salt" in handle and "recv_req.sampling_params" in handle
+
+
+#: A trained span per request sent with a loss mask, as ``extract --engine sglang --mode teacher`` sends it.
+LOSS_MASKS = {"chunked": [10, 30, 45, 50], "late": [2, 9], "later": [0, 5, 20, 30]}
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+@pytest.mark.parametrize("spec", ["every:3", "loss", "last"])
+def test_hooks_keep_only_the_positions_asked(
+    tmp_path: Path,
+    endpoint: str,
+    start_consumer: ConsumerFactory,
+    caplog: pytest.LogCaptureFixture,
+    spec: str,
+    overlap: bool,
+) -> None:
+    """``--positions``: the plugin copies only the rows asked into the ring (the trained tokens of a request sent with a
+    loss mask, or what it generates; its last prompt token under teacher forcing; every K-th position), across chunked
+    prefill, mixed and decode batches and a retraction; each request is stored complete against what it asked."""
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", in_process=True)
+    capture = capture_with_producer(config_for(endpoint, "cpu"), positions=spec)
+    wait_attached(capture.producer)
+    workload = plans()
+    if spec == "last":  # teacher forcing: one token generated (and discarded), the last position is the prompt's
+        workload = [dataclasses.replace(plan, max_new_tokens=1, abort_after=None) for plan in workload]
+    scheduler = OverlapScheduler(
+        capture, workload, device="cpu", hidden=HIDDEN, num_aux=len(LAYERS), overlap=overlap, hook=strict_hooks("cpu")
+    )
+    scheduler.reqs[OWN].sampling_params.custom_params = {OWN_PARAM: "health check"}
+    for rid, flat in LOSS_MASKS.items():
+        scheduler.reqs[rid].sampling_params.custom_params = {LOSS_MASK_PARAM: flat}
+    with no_capture_errors(caplog):
+        scheduler.run()
+    capture.producer.close()
+    assert consumer.wait(60) == 0
+    store = open_store(tmp_path)
+    assert store.metadata()["version"] == SELECTION_VERSION
+    selection = Positions.parse(spec)
+    held = 0
+    for rid, req in scheduler.reqs.items():
+        if rid == OWN or isinstance(req.finished_reason, FINISH_ABORT):
+            continue
+        record = store.record(rid)
+        prompt, output = list(req.origin_input_ids), list(req.output_ids)
+        total = len(prompt) + len(output) - 1
+        assert record["status"] == "complete" and record["positions"] == spec, record
+        rows = store.get(rid)
+        asked = selection.asked(total, record["loss_mask"])
+        assert rows["positions"].tolist() == asked.tolist() and record["rows"] == len(asked), (rid, record)
+        assert rows["input_ids"].tolist() == [(prompt + output)[p] for p in asked], rid
+        for t, name in enumerate([*(f"layer_{k}" for k in LAYERS), "last"]):
+            want = torch.tensor([expected_row(k, p, t) for k, p in zip(rows["input_ids"].tolist(), asked.tolist())])
+            assert torch.equal(rows[name], want[:, None].expand(-1, HIDDEN)), (rid, name)
+        held += len(asked)
+    assert held
+    if spec == "loss":  # sent with a mask: its spans; without (regenerated): what it generated
+        assert store.record("chunked")["loss_mask"] == [[10, 30], [45, 50]]
+        short = store.record("short")
+        assert short["loss_mask"] == [[5, short["num_tokens"]]] and short["rows"] == short["num_tokens"] - 5
+
+
+@pytest.mark.slow
+def test_sample_rate_picks_the_same_requests_by_id_and_marks_the_others_at_tokenization() -> None:
+    """``serve --sample-rate``: a request is captured when a hash of its id falls below the rate (the same ids every
+    run, about the rate's share of them); the tokenizer hook marks the others as SGLang's own requests are marked,
+    with a cache namespace of their own, so that the scheduler's hooks skip them and no sampled request takes their
+    prefix."""
+    ids = [f"chat-{i}" for i in range(4000)]
+    chosen = [rid for rid in ids if sampled(rid, 0.1)]
+    assert chosen == [rid for rid in ids if sampled(rid, 0.1)]  # deterministic
+    assert 0.08 < len(chosen) / len(ids) < 0.12
+    assert set(chosen) <= {rid for rid in ids if sampled(rid, 0.5)}  # a larger rate keeps these and more
+    assert all(sampled(rid, None) and sampled(rid, 1.0) for rid in ids[:50])
+    with pytest.raises(ValueError, match=r"--sample-rate: 0 is not a rate; give the share of requests to capture"):
+        check_rate(0)
+
+    from hscapture.integrations.sglang import use_cpu_host_env
+
+    use_cpu_host_env()
+    pytest.importorskip("sglang", reason="SGLang is not installed")
+    from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+    capture = SGLangCapture(PluginSettings(endpoint="ipc:///unused", http_server=True, sample_rate=0.1))
+    manager = types.SimpleNamespace(server_status=ServerStatus.Up)
+    for rid in ids[:200]:
+        tokenized = types.SimpleNamespace(rid=rid, sampling_params=SamplingParams(8), cache_salt=None)
+        capture.after_tokenize(tokenized, manager)
+        marked = (tokenized.sampling_params.custom_params or {}).get(OWN_PARAM)
+        assert (marked is None) == sampled(rid, 0.1), rid
+        assert tokenized.cache_salt == (None if marked is None else OWN_CACHE_SALT), rid

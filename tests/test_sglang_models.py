@@ -47,12 +47,29 @@ def test_layer_ranges_and_numbering_per_family() -> None:
     with pytest.raises(ValueError, match=r"turns a first id 1 into layer 2; add another layer"):
         sglang_layer_ids(kimi, [1])
     assert llama.layer_range(8) == (1, 7) and deepseek.layer_range(8) == (0, 7) and gemma.layer_range(8) == (1, 8)
-    with pytest.raises(ValueError, match=r"--layers \[0\]: SGLang's LlamaForCausalLM captures layers 1\.\.7 of its 8"):
+    with pytest.raises(
+        ValueError, match=r"--layers: SGLang's LlamaForCausalLM captures layers 1\.\.7 of the model's 8, got \[0\]"
+    ):
         capture_layers(llama, 8, [0, 4])
-    with pytest.raises(ValueError, match=r"--layers \[8\]: SGLang's DeepseekV3ForCausalLM captures layers 0\.\.7"):
-        capture_layers(deepseek, 8, [2, 8])
-    with pytest.raises(ValueError, match="give distinct layer ids"):
+    with pytest.raises(
+        ValueError, match=r"--layers: SGLang's DeepseekV3ForCausalLM captures layers 0\.\.7 of the model's 8, got \[8\]"
+    ):
+        capture_layers(deepseek, 8, "2,8")
+    with pytest.raises(ValueError, match=r"--layers: layers \[2\] named twice in \[2, 2, 4\]; name each layer once"):
         capture_layers(llama, 8, [2, 2, 4])
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_all_layers_is_what_each_architecture_captures_from_layer_1(arch: str) -> None:
+    """``--layers all`` gives every layer the architecture's capture reaches (not the embedding output, layer 0), and
+    the ids passed to SGLang make its setter capture exactly those; ranges resolve the same way."""
+    row = ARCHITECTURES[arch]
+    lo, hi = row.layer_range(8)
+    chosen = capture_layers(row, 8, "all")
+    assert chosen == tuple(range(max(1, lo), hi + 1)), arch
+    assert sorted(set(_sglang_setter(arch, sglang_layer_ids(row, chosen)))) == list(chosen), arch
+    assert capture_layers(row, 8, "1-7:3") == (1, 4, 7) if hi >= 7 else True
+    assert capture_layers(row, 8, "5,1-3") == (1, 2, 3, 5)  # SGLang captures in layer order
 
 
 def test_default_layers_are_eagle3s_without_the_repeat_of_shallow_models(caplog: pytest.LogCaptureFixture) -> None:
@@ -98,9 +115,10 @@ def test_launchers_refuse_what_sglang_cannot_capture_before_it_starts(
         (
             kimi,
             ["--layers", "1,30,61"],
-            "--layers [61]: SGLang's KimiK25ForConditionalGeneration captures layers 0..60",
+            "--layers: SGLang's KimiK25ForConditionalGeneration captures layers 0..60 of the model's 61, got [61]",
         ),
         (kimi, ["--layers", "1"], "turns a first id 1 into layer 2; add another layer"),
+        (kimi, ["--layers", "0-64:8"], "--layers: [64] out of range; the model has 61 decoder layers"),
     ]
     for model, options, message in cases:
         out = tmp_path / f"out-{model.name}"

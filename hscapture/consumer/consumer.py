@@ -420,8 +420,9 @@ class Consumer:
         if self.store is None:
             return
         prefix = protocol.unpack_prefix(message)
+        positions = protocol.checked_positions(message)
         finish = Finish(
-            message.reason, message.num_tokens, message.dropped_rows, message.loss_mask, message.meta, prefix
+            message.reason, message.num_tokens, message.dropped_rows, message.loss_mask, message.meta, prefix, positions
         )
         self._pending.append(_End(message.request_id, finish))
         self._settle()

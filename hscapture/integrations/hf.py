@@ -24,14 +24,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from hscapture.config import DTYPES, CaptureConfig, MiB, check_layer_ids, dtype_name
+from hscapture.config import DTYPES, CaptureConfig, MiB, check_layer_ids, dtype_name, layer_spec, resolve_layers
 from hscapture.config import eagle3_default_layers as eagle3_default_layers  # extract and tests import it here
 from hscapture.data import Sample, check_batching, loss_mask_ranges, pad_batch, padded_length
 from hscapture.errors import HSCaptureError
 from hscapture.producer import Producer
+from hscapture.selection import Positions
 
 LAST = "last"
 
@@ -227,11 +229,6 @@ def load_model(model_dir: Path | None, dtype: str | None, device: str) -> tuple[
     return tokenizer, model, path
 
 
-def kept_rows(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the real (non-padding) rows of a ``[B, T]`` batch, request by request."""
-    return torch.nonzero(attention_mask.reshape(-1), as_tuple=True)[0]
-
-
 class AttentionKernels:
     """Which attention kernels a batch of a given shape may run on a GPU: cuDNN's only once the shape earned its plan.
 
@@ -331,27 +328,33 @@ class HFExtraction:
         max_batch_tokens: padded tokens per forward call.
         max_batch_size: samples per forward call.
         pad_to_multiple: pad each batch's length up to a multiple of this (1: to its longest sample).
+        positions: the positions of each sample to keep (``--positions``, :class:`~hscapture.selection.Positions`);
+            the rows of the others never reach the ring.
 
     Raises:
-        ValueError: a batch limit is not a positive integer, no model there, a bad dtype or a layer
-            id out of range.
+        ValueError: a batch limit is not a positive integer, no model there, a bad dtype, a layer
+            id out of range or a bad position selection.
     """
 
     def __init__(
         self,
         model: Path | None,
-        layers: Sequence[int] | None,
+        layers: str | Sequence[int] | None,
         capture_last: bool,
         dtype: str | None,
         device: str,
         max_batch_tokens: int,
         max_batch_size: int,
         pad_to_multiple: int = 1,
+        positions: str = "all",
     ) -> None:
         check_batching(max_batch_tokens, max_batch_size, pad_to_multiple, as_flags=True)  # before the model loads
+        self.positions = Positions.parse(positions)
+        if layers is not None:
+            layer_spec(layers)
         self.tokenizer, self.model, path = load_model(model, dtype, device)
-        num_layers = self.model.config.num_hidden_layers
-        self.layers = tuple(layers) if layers is not None else eagle3_default_layers(num_layers)
+        num_layers = len(decoder_parts(self.model)[0])
+        self.layers = resolve_layers(layers, num_layers) if layers is not None else eagle3_default_layers(num_layers)
         self.capture = HFCapture(self.model, self.layers, capture_last)
         self.dtype = dtype or dtype_name(next(self.model.parameters()).dtype)
         self.device = next(self.model.parameters()).device
@@ -360,6 +363,8 @@ class HFExtraction:
         self.pad_to_multiple = pad_to_multiple
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.meta: dict[str, Any] = {"engine": "hf", "model": str(path), "dtype": self.dtype}
+        if not self.positions.everything:
+            self.meta["positions"] = str(self.positions)
         self.producer: Producer | None = None
         # The device's progress: one event per batch, recorded after its rows were written (CUDA only).
         self._batch_done: deque[torch.cuda.Event] = deque()
@@ -413,25 +418,33 @@ class HFExtraction:
         """
         assert self.producer is not None, "start first"
         lengths = [len(s.input_ids) for s in batch]
-        input_ids, attention_mask = forward_batch(
+        input_ids, _ = forward_batch(
             self.model, batch, self.pad_id, self.pad_to_multiple, self.max_batch_tokens, self.kernels
         )
-        rows = kept_rows(attention_mask)  # on the host: no device read
+        masks = [loss_mask_ranges(s.loss_mask) for s in batch]
+        # Per sample, the positions kept (all of them, or the selection's): on the host, no device read.
+        kept = [self.positions.asked(n, mask) for n, mask in zip(lengths, masks)]
+        positions = np.concatenate(kept)
+        rows = torch.from_numpy(np.concatenate([i * input_ids.shape[1] + p for i, p in enumerate(kept)]))
+        owners = [(s.key, len(p)) for s, p in zip(batch, kept) if len(p)]
+        states = self.capture.collect()
         self._wait_for_device()
-        self.producer.capture_step(
-            self.capture.collect(),
-            request_ids=[s.key for s in batch],
-            request_rows=lengths,
-            positions=torch.cat([torch.arange(n) for n in lengths]),
-            token_ids=input_ids.reshape(-1)[rows],
-            row_index=rows.to(self.device, non_blocking=True),
-        )
+        if owners:
+            self.producer.capture_step(
+                states,
+                request_ids=[key for key, _ in owners],
+                request_rows=[count for _, count in owners],
+                positions=positions,
+                token_ids=input_ids.reshape(-1)[rows],
+                row_index=rows.to(self.device, non_blocking=True),
+            )
         if self.device.type == "cuda":
             self._batch_done.append(torch.cuda.Event())
             self._batch_done[-1].record()
-        for sample in batch:
+        selection = "" if self.positions.everything else str(self.positions)
+        for sample, mask in zip(batch, masks):
             self.producer.finish_request(
-                sample.key, num_tokens=len(sample.input_ids), loss_mask=loss_mask_ranges(sample.loss_mask)
+                sample.key, num_tokens=len(sample.input_ids), loss_mask=mask, positions=selection
             )
         return sum(lengths)
 

@@ -41,6 +41,12 @@ forward hook keeps none of their rows and no record of them is sent. They also g
 namespace of their own (``cache_salt``): a request must never take a prefix from one of them (a
 health check's ``input_ids=[0]`` is many tokenizers' BOS), since the store has no rows to serve it.
 
+Fewer rows where the user wants fewer (:mod:`hscapture.selection`): with ``PluginSettings.positions``
+(``extract --engine sglang --positions``) each forward's rows are filtered per request before the copy
+(:class:`~hscapture.integrations.sglang_select.RowFilter`; decode steps then go by index, as batches
+holding SGLang's own requests do); with ``PluginSettings.sample_rate`` (``serve --sample-rate``) the
+tokenizer hook marks the requests not sampled as it marks SGLang's own, so the scheduler's hooks skip them.
+
 Rows are attributed from the ``ScheduleBatch``'s host-side lengths: extend and mixed batches
 hold contiguous blocks of ``extend_lens[i]`` rows at positions ``prefix_lens[i] + j``; decode
 batches one row per request at ``seq_lens_cpu[i] - 1``. A position a request already sent
@@ -82,6 +88,9 @@ import numpy as np
 import torch
 
 from hscapture.config import SLOT_ALIGN, CaptureConfig, MiB, dtype_name
+from hscapture.integrations.sglang_select import LOSS_MASK_PARAM as LOSS_MASK_PARAM  # the launchers import it here
+from hscapture.integrations.sglang_select import RowFilter, loss_mask
+from hscapture.selection import Positions, sampled
 
 if TYPE_CHECKING:
     from hscapture.producer import WrittenStep
@@ -93,8 +102,6 @@ log = logging.getLogger(__name__)
 ENV = "HSCAPTURE_SGLANG"
 #: ``Engine.collective_rpc`` method name that closes the producer (end of stream).
 CLOSE_RPC = "hscapture_close"
-#: ``sampling_params["custom_params"]`` key: flat ``[start, end, start, end, ...]`` loss mask.
-LOSS_MASK_PARAM = "hscapture_loss_mask"
 #: ``sampling_params["custom_params"]`` key set on the requests SGLang makes for itself ("warm-up",
 #: "health check"): never captured.
 OWN_PARAM = "hscapture_sglang_own"
@@ -158,6 +165,12 @@ class PluginSettings:
     #: SGLang runs its HTTP server (``hscapture serve``): requests its tokenizer takes while the server says it is
     #: starting are its own warm-up, not captured. False for ``sglang.Engine``, which never says it is up.
     http_server: bool = False
+    #: The positions of each request to keep (:class:`~hscapture.selection.Positions`: ``all``, ``loss``, ``last``,
+    #: ``every:K``); rows at the others never reach the ring.
+    positions: str = "all"
+    #: The share of requests captured, chosen by a hash of the request id (:func:`~hscapture.selection.sampled`);
+    #: None: every request. The others are marked at tokenization and cost the scheduler nothing.
+    sample_rate: float | None = None
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -290,6 +303,9 @@ class _Rows(NamedTuple):
     keep: np.ndarray | None
     #: Rows in the batch (kept or not).
     total: int
+    #: Under ``--positions``: the kept rows' runs of consecutive positions (their requests, first positions and
+    #: rows), where they differ from one block per request.
+    runs: tuple[list[Any], list[int], list[int]] | None = None
 
 
 class _DecodePlan(NamedTuple):
@@ -421,6 +437,9 @@ class SGLangCapture:
         #: (:meth:`attach_graphs`); kept for the process's life: the graphs read its plan table.
         self.graph: GraphRows | None = None
         self._graph_runner_owner: Any = None
+        #: The positions kept of each request (``--positions``); None: every one.
+        selection = Positions.parse(settings.positions, "positions")
+        self.filter = None if selection.everything else RowFilter(selection)
 
     # --- hooks -------------------------------------------------------------------------
 
@@ -545,6 +564,8 @@ class SGLangCapture:
             elif self.settings.http_server and manager.server_status == ServerStatus.Starting:
                 why = "warm-up"
                 log.info("hscapture: not capturing request %s: SGLang is starting (its warm-up)", result.rid)
+            elif not sampled(str(result.rid), self.settings.sample_rate):
+                why = "not sampled"  # its own cache namespace too: no sampled request takes a prefix it computed
             else:
                 return
             params = result.sampling_params
@@ -573,7 +594,7 @@ class SGLangCapture:
         producer, states = self._states(output)
         plan = self._decode_plan(batch)
         self._decoded = seq_lens = batch.seq_lens_cpu
-        if plan.keep is not None:  # SGLang's own requests decode in this batch too: the others' rows, by index
+        if plan.keep is not None or self.filter is not None:  # SGLang's own requests decode here too, or a selection
             self._extend(batch, output, plan.rows(seq_lens))
             return
         run = self._run
@@ -604,6 +625,8 @@ class SGLangCapture:
         rows = self._rows(batch) if rows is None else rows
         if states[0].shape[0] != rows.total:
             raise self._mismatch(batch, rows.total, states[0])
+        if self.filter is not None and rows.rids:
+            rows = self._selected(rows)
         if not rows.rids:
             return
         if len(self.pending) >= MAX_PENDING:
@@ -612,7 +635,18 @@ class SGLangCapture:
         row_index = None if rows.keep is None else torch.from_numpy(rows.keep).to(states[0].device, non_blocking=True)
         step = producer.write_step(states, rows.rids, rows.counts, row_index)
         if step.written:
-            self.pending.append(_Pending(step, rows.reqs, rows.firsts, rows.counts, rows.positions))
+            runs = rows.runs or (rows.reqs, rows.firsts, rows.counts)
+            self.pending.append(_Pending(step, *runs, rows.positions))  # type: ignore[arg-type]
+
+    def _selected(self, rows: _Rows) -> _Rows:
+        """Of a forward's kept rows, those at the positions ``--positions`` asks for (:class:`RowFilter`)."""
+        assert self.filter is not None
+        kept = self.filter.select(rows.reqs, rows.counts, rows.positions)
+        if kept is None:
+            return rows
+        keep = kept.local if rows.keep is None else rows.keep[kept.local]
+        runs = (kept.reqs, kept.firsts, kept.runs)
+        return _Rows(kept.rids, kept.reqs, None, kept.counts, rows.positions[kept.local], keep, rows.total, runs)
 
     @staticmethod
     def _mismatch(batch: Any, total: int, aux: torch.Tensor) -> RuntimeError:
@@ -702,14 +736,6 @@ class SGLangCapture:
             )
         num_tokens = len(req.origin_input_ids) + len(req.output_ids) - 1
         reason = "aborted" if type(req.finished_reason).__name__ == "FINISH_ABORT" else "finished"
-        params = getattr(req.sampling_params, "custom_params", None) or {}
-        flat = params.get(LOSS_MASK_PARAM)
-        if flat is not None:
-            loss_mask = [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
-        elif len(req.output_ids) > 1:
-            loss_mask = [(len(req.origin_input_ids), num_tokens)]
-        else:
-            loss_mask = []
         finish = req.finished_reason.to_json() if req.finished_reason is not None else None
         meta = {
             "prompt_tokens": len(req.origin_input_ids),
@@ -719,7 +745,13 @@ class SGLangCapture:
         }
         prefix = req.origin_input_ids[: self.cached_prefix.pop(req.rid, 0)]
         self.producer.finish_request(
-            req.rid, reason, num_tokens=num_tokens, loss_mask=loss_mask, meta=meta, prefix_token_ids=prefix
+            req.rid,
+            reason,
+            num_tokens=num_tokens,
+            loss_mask=loss_mask(req, num_tokens),
+            meta=meta,
+            prefix_token_ids=prefix,
+            positions="" if self.filter is None else str(self.filter.selection),
         )
         self.sent_upto.pop(req.rid, None)
 

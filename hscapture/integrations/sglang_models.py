@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from hscapture.config import eagle3_default_layers
+from hscapture.config import eagle3_default_layers, resolve_layers
 
 log = logging.getLogger(__name__)
 
@@ -172,13 +172,14 @@ def num_layers_of(config: dict[str, Any]) -> int:
     return layers
 
 
-def capture_layers(arch: Architecture, num_layers: int, layers: Sequence[int] | None) -> tuple[int, ...]:
-    """hscapture layer ids to capture: ``layers`` checked, or EAGLE-3's default ``[2, L//2, L-3]`` without repeats.
+def capture_layers(arch: Architecture, num_layers: int, layers: str | Sequence[int] | None) -> tuple[int, ...]:
+    """hscapture layer ids to capture, ascending: ``layers`` resolved (:func:`~hscapture.config.resolve_layers`:
+    ``all`` is every layer this architecture captures, from 1), or EAGLE-3's default ``[2, L//2, L-3]`` without
+    repeats.
 
     Raises:
-        ValueError: a layer this architecture cannot capture, or a repeated one.
+        ValueError: a layer this architecture cannot capture, a repeated one, or none.
     """
-    lo, hi = arch.layer_range(num_layers)
     if layers is None:
         chosen = eagle3_default_layers(num_layers)
         wanted = [2, num_layers // 2, num_layers - 3]
@@ -189,16 +190,10 @@ def capture_layers(arch: Architecture, num_layers: int, layers: Sequence[int] | 
                 num_layers,
                 list(chosen),
             )
-    else:
-        chosen = tuple(sorted(layers))
-        if len(set(chosen)) != len(chosen) or not chosen:
-            raise ValueError(f"--layers: give distinct layer ids, got {list(layers)}")
-    bad = [k for k in chosen if not lo <= k <= hi]
-    if bad:
-        raise ValueError(
-            f"--layers {bad}: SGLang's {arch.name} captures layers {lo}..{hi} of its {num_layers} "
-            f"(hscapture's numbering: layer k = layers_to_capture entry k)"
-        )
+        return chosen
+    chosen = tuple(sorted(resolve_layers(layers, num_layers, arch.layer_range(num_layers), f"SGLang's {arch.name}")))
+    if not chosen:
+        raise ValueError("--layers: SGLang's aux capture needs at least one layer id (it always captures some)")
     return chosen
 
 
@@ -234,7 +229,7 @@ class LaunchPlan:
     sglang_ids: list[int]
 
 
-def launch_plan(model: Path | str, layers: Sequence[int] | None) -> LaunchPlan:
+def launch_plan(model: Path | str, layers: str | Sequence[int] | None) -> LaunchPlan:
     """Check a model and the wanted layers before SGLang starts.
 
     Raises:

@@ -35,6 +35,7 @@ from hscapture.integrations.sglang import (
     use_cpu_host_env,
 )
 from hscapture.integrations.sglang_models import launch_plan
+from hscapture.selection import Positions
 
 MODES = ("teacher", "regenerate")
 #: How often a running ``generate`` call checks that the consumer still lives.
@@ -61,6 +62,8 @@ class SGLangExtraction:
         max_new_tokens, temperature: regenerate mode's sampling.
         sglang_args: more SGLang server arguments (``hscapture extract ... -- ARGS``).
         graph_copy: on a GPU, copy decode rows from inside SGLang's decode CUDA graphs (``PluginSettings``).
+        positions: the positions of each sample to keep (``--positions``); other than ``all``, SGLang's radix cache
+            is turned off: a cached prefix's rows are taken by reference only from a request holding all of them.
 
     Raises:
         ValueError: an unknown mode, no model there, an architecture SGLang's capture cannot
@@ -70,7 +73,7 @@ class SGLangExtraction:
     def __init__(
         self,
         model: Path | None,
-        layers: Sequence[int] | None,
+        layers: str | Sequence[int] | None,
         capture_last: bool,
         dtype: str | None,
         device: str,
@@ -80,13 +83,17 @@ class SGLangExtraction:
         temperature: float,
         sglang_args: Sequence[str] = (),
         graph_copy: bool = True,
+        positions: str = "all",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"--mode: {mode!r} is unknown; use one of {MODES}")
+        self.positions = Positions.parse(positions)
         from transformers import AutoTokenizer
 
         from hscapture.tiny import ensure_tiny_model
 
+        if mode == "regenerate" and self.positions.kind == "last":
+            raise ValueError("--positions last with --mode regenerate: an answer's last token is known only at its end")
         model_path = Path(model) if model is not None else ensure_tiny_model()
         if not (model_path / "config.json").exists():
             raise ValueError(f"--model: {str(model_path)!r} has no config.json; give a local HF model directory")
@@ -98,11 +105,14 @@ class SGLangExtraction:
         self.mode, self.max_batch_size = mode, max_batch_size
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.sglang_args, self.graph_copy = list(sglang_args), graph_copy
+        if not self.positions.everything and "--disable-radix-cache" not in self.sglang_args:
+            self.sglang_args.append("--disable-radix-cache")  # a selection's samples hold no whole prefix to share
         self.meta: dict[str, Any] = {
             "model": str(model_path),
             "mode": mode,
             "launcher": "hscapture extract",
             "server_args": self.sglang_args,
+            **({} if self.positions.everything else {"positions": str(self.positions)}),
         }
         self.engine: Any = None
         self._watchdog: Callable[[], None] = lambda: None
@@ -120,6 +130,7 @@ class SGLangExtraction:
             meta={**self.meta, **meta},
             layers=list(self.capture_plan.layers),
             graph_copy=self.graph_copy,
+            positions=str(self.positions),
         )
         os.environ[ENV] = settings.to_env()  # read by the plugin in SGLang's scheduler process
         try:

@@ -218,6 +218,7 @@ class EngineProducer(ABC):
         loss_mask: Sequence[tuple[int, int]] = (),
         meta: dict[str, Any] | None = None,
         prefix_token_ids: Sequence[int] | np.ndarray = (),
+        positions: str = "",
     ) -> None:
         """Say that no more rows come for ``request_id``, and why.
 
@@ -229,6 +230,9 @@ class EngineProducer(ABC):
             meta: msgpack-safe facts stored with the request.
             prefix_token_ids: host token ids of the request's first positions that the engine never forwarded (a
                 prefix-cache hit); the store takes their rows from the request that computed them.
+            positions: the positions its rows were kept at (``--positions``: ``loss``, ``last``, ``every:K``, as
+                :class:`~hscapture.selection.Positions` spells them; empty: every one), so that the store judges it
+                complete against those.
         """
 
     @abstractmethod
@@ -312,6 +316,7 @@ class NullProducer(EngineProducer):
         loss_mask: Sequence[tuple[int, int]] = (),
         meta: dict[str, Any] | None = None,
         prefix_token_ids: Sequence[int] | np.ndarray = (),
+        positions: str = "",
     ) -> None:
         return None
 

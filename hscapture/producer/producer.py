@@ -251,6 +251,7 @@ class Producer(EngineProducer):
         loss_mask: Sequence[tuple[int, int]] = (),
         meta: dict[str, Any] | None = None,
         prefix_token_ids: Sequence[int] | np.ndarray = (),
+        positions: str = "",
     ) -> None:
         """See :meth:`EngineProducer.finish_request`."""
         self._check_open()
@@ -265,6 +266,7 @@ class Producer(EngineProducer):
             loss_mask=[(int(a), int(b)) for a, b in loss_mask],
             meta=meta or {},
             prefix_token_ids=protocol.pack_rows(np.asarray(prefix_token_ids)) if len(prefix_token_ids) else b"",
+            positions=positions,
         )
         if not self._send(protocol.encode(message)):
             self.counters.events_dropped += 1

@@ -270,9 +270,11 @@ def _expand(paths: list[Path]) -> tuple[list[Path], list[Path]]:
 
 
 def _check_same_capture(first: Store, other: Store) -> None:
-    """Parts of one dataset: the same ``meta.json`` (tensors and their meaning, dtype, width, storage)."""
+    """Parts of one dataset: the same ``meta.json`` (tensors and their meaning, dtype, width, storage). The version
+    may differ: it says which kinds of index line a store holds (references, position selections), not what it
+    captured."""
     mine, theirs = first.metadata(), other.metadata()
-    fields = sorted({*mine, *theirs} - {"runs"})
+    fields = sorted({*mine, *theirs} - {"runs", "version"})
     differ = [name for name in fields if mine.get(name) != theirs.get(name)]
     if differ:
         name = differ[0]

@@ -23,6 +23,7 @@ import numpy as np
 
 from hscapture.config import DTYPES, STORE_DTYPES
 from hscapture.errors import StoreError
+from hscapture.selection import FORMS, Positions
 from hscapture.store.directory import StoreDir
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,10 @@ STORE_VERSION = 2
 #: The version of a store whose request lines may take rows by reference (``shared``); a writer raises a
 #: store to it before the first such line, so a store without references stays readable by older readers.
 SHARED_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+#: The version of a store whose request lines may hold rows at some positions only (``positions``: a selection);
+#: raised to before the first such line, so that no older reader takes such a request for one of every position.
+SELECTION_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 SHARD_FORMAT = "hscapture-shard"
 INDEX_FILE = "index.jsonl"
 META_FILE = "meta.json"
@@ -292,6 +296,8 @@ def record_problem(record: dict[str, Any]) -> str:
         return f"request line with an empty or negative span in {record['spans'][:4]}"
     if kind == "request" and "shared" in record and not _shared_valid(record["shared"]):
         return f"request line with a bad 'shared' ({str(record['shared'])[:60]!r})"
+    if kind == "request" and "positions" in record and not _selection_valid(record["positions"]):
+        return f"request line with a bad 'positions' ({str(record['positions'])[:40]!r}; one of {FORMS})"
     return ""
 
 
@@ -304,6 +310,28 @@ def tokens_crc32(tokens: Any) -> str:
 def shared_rows(record: dict[str, Any]) -> int:
     """Rows a request line takes by reference from donors."""
     return sum(entry["end"] - entry["start"] for entry in record.get("shared", ()))
+
+
+def selection(record: dict[str, Any]) -> Positions:
+    """The positions a request line asked for (``positions``; absent: every one)."""
+    return Positions.parse(record.get("positions"), "positions")
+
+
+def asked_rows(record: dict[str, Any]) -> int:
+    """How many positions a request line asked for: ``num_tokens``, or its selection's share of them."""
+    chosen = selection(record)
+    return record["num_tokens"] if chosen.everything else len(chosen.asked(record["num_tokens"], record["loss_mask"]))
+
+
+def _selection_valid(value: Any) -> bool:
+    """A selection other than ``all``, as :class:`~hscapture.selection.Positions` spells it."""
+    if not isinstance(value, str):
+        return False
+    try:
+        chosen = Positions.parse(value)
+    except ValueError:
+        return False
+    return not chosen.everything and str(chosen) == value
 
 
 def _shared_valid(value: Any) -> bool:

@@ -186,7 +186,8 @@ class Store:
     # ------------------------------------------------------------------ data
 
     def get(self, key: str, tensors: list[str] | None = None, dequantize: bool = True) -> dict[str, torch.Tensor]:
-        """One request's rows, sorted by position, each checked against its checksum.
+        """One request's rows, sorted by position, each checked against its checksum: the positions it holds, no
+        more (a request captured with ``--positions`` holds the positions asked, ``record(key)["positions"]``).
 
         Args:
             key: the request id.

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from hscapture.selection import Positions
+
 #: Why a second complete capture of an id is recorded incomplete.
 DUPLICATE = "duplicate: this request id is already stored complete in this store (readers serve that one)"
 
@@ -34,6 +36,8 @@ class Finish:
     loss_mask: Sequence[Sequence[int]] = ()
     meta: dict[str, Any] = field(default_factory=dict)
     prefix_token_ids: np.ndarray | None = None
+    #: The positions asked of it (``--positions``, :class:`~hscapture.selection.Positions`); empty: every one.
+    positions: str = ""
 
 
 @dataclass
@@ -93,7 +97,9 @@ def request_record(request_id: str, request: Request, shared: Sequence[dict[str,
     covered = sum(end - start for start, end in merged)
     held = _merge(runs + [[entry["start"], entry["end"]] for entry in shared]) if shared else merged
     upper = expected if expected is not None else (held[-1][1] if held else 0)
-    missing = _complement(held, upper)
+    selection = Positions.parse(finished.positions if finished is not None else "", "positions")
+    loss_mask = finished.loss_mask if finished is not None else ()
+    missing = _complement(held, upper) if selection.everything else selection.missing(upper, loss_mask, held)
     problems = []
     if finished is None:
         problems.append(request.end_reason or "no finish event")
@@ -108,6 +114,9 @@ def request_record(request_id: str, request: Request, shared: Sequence[dict[str,
         problems.append(f"{rows - covered} duplicate rows")
     if expected is not None and merged and merged[-1][1] > expected:
         problems.append(f"positions beyond num_tokens={expected}")
+    unasked = 0 if selection.everything else covered - int(selection.keep(_positions(merged), upper, loss_mask).sum())
+    if unasked:
+        problems.append(f"{unasked} rows at positions --positions {selection} did not ask for")
     return {
         "type": "request",
         "id": request_id,
@@ -123,7 +132,13 @@ def request_record(request_id: str, request: Request, shared: Sequence[dict[str,
         **({"surplus_rows": surplus} if surplus else {}),
         "loss_mask": [list(r) for r in finished.loss_mask] if finished is not None else [],
         "meta": finished.meta if finished is not None else {},
+        **({} if selection.everything else {"positions": str(selection)}),
     }
+
+
+def _positions(runs: list[list[int]]) -> np.ndarray:
+    """Every position of merged ``[start, end)`` runs."""
+    return np.concatenate([np.arange(a, b) for a, b in runs]) if runs else np.empty(0, np.int64)
 
 
 def _past_end_trimmed(request: Request, expected: int | None) -> tuple[list[list[int]], list[list[int]], int, int]:

@@ -124,6 +124,8 @@ class VerifyReport:
     unended: list[str] = field(default_factory=list)
     #: How many such requests a live writer has still to record (not a failure).
     pending: int = 0
+    #: Requests captured at some positions only, per selection (``--positions``): complete against what they asked.
+    selections: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -181,6 +183,8 @@ def _verify(
     for request_id, problem in references.broken.items():
         report.dangling.append(IndexProblem(requests[request_id][0], problem, request_id))
     for request_id, (line, record) in requests.items():
+        if "positions" in record:
+            report.selections[record["positions"]] = report.selections.get(record["positions"], 0) + 1
         request_spans = record["spans"]
         unknown = sorted({s[0] for s in request_spans if s[0] not in shards})
         if unknown:
@@ -551,6 +555,11 @@ def format_report(report: VerifyReport, show: int = 10) -> str:
         lines.extend(f"{kind}: {INDEX_FILE} line {p.line}: request {p.request}: {p.problem}" for p in found[:show])
         if len(found) > show:
             lines.append(f"... and {len(found) - show} more {kind} lines")
+    if report.selections:
+        kinds = ", ".join(f"--positions {kind}: {n}" for kind, n in report.selections.items())
+        lines.append(
+            f"positions: requests holding rows at some positions only ({kinds}), complete when holding those asked"
+        )
     notes = [f"unverifiable: {c.file} (shard {c.id}): {'; '.join(c.problems)}" for c in report.unverifiable]
     notes += [f"ignored: {name} is not a shard name (readers ignore it too)" for name in report.ignored]
     notes += [f"being written: {name} is not listed yet, and a writer holds the store" for name in report.writing]

@@ -36,6 +36,7 @@ from hscapture.store.format import (
     INDEX_FILE,
     META_FILE,
     READ_VERSIONS,
+    SELECTION_VERSION,
     SHARED_VERSION,
     STORE_FORMAT,
     STORE_VERSION,
@@ -662,8 +663,9 @@ class StoreWriter:
                     continue
                 del self._requests[request_id]
                 line = once(request.line, self._complete)
-                if "shared" in line and self._meta is not None and self._meta["version"] < SHARED_VERSION:
-                    self._set_version(SHARED_VERSION)
+                needs = SELECTION_VERSION if "positions" in line else SHARED_VERSION if "shared" in line else 0
+                if self._meta is not None and self._meta["version"] < needs:
+                    self._set_version(needs)
                 self._prefixes.record(line, request.finished.prefix_token_ids if request.finished else None)
                 done.append(line)
             if len(held) == len(candidates):
