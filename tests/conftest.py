@@ -8,6 +8,7 @@ import logging
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -40,8 +41,9 @@ def run_cli(
         )
     from hscapture import cli
 
-    root = logging.getLogger()  # the command line configures logging: left as it was for the tests after
+    root = logging.getLogger()  # the command line configures logging and signals: left as they were after
     handlers, level = root.handlers[:], root.level
+    signals = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     out, err = io.StringIO(), io.StringIO()
     saved = {name: os.environ.get(name) for name in env or {}}
     os.environ.update(env or {})
@@ -53,6 +55,8 @@ def run_cli(
         finally:
             root.handlers[:] = handlers
             root.setLevel(level)
+            for signum, handler in signals.items():
+                signal.signal(signum, handler)
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,21 +23,8 @@ from hscapture.errors import AccessError
 from hscapture.export import ExportOptions, export
 from hscapture.store.reader import open_store
 from hscapture.store.writer import StoreWriter
-from tests.conftest import OtherUser
+from tests.conftest import OtherUser, run_cli
 from tests.storefeed import Feed, make_layout, make_request, shard_bytes
-
-
-def hscapture(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run the command line in its own process; one that hangs (waiting for a producer) is killed."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hscapture", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def modes(root: Path) -> dict[str, int]:
@@ -82,11 +68,13 @@ def test_a_store_directory_another_user_made_is_refused_and_its_links_never_foll
     other_user.run(f"mkdir -m 0777 {foreign} && ln -s {victim} {foreign}/.lock && ln -s {victim} {foreign}/index.jsonl")
     endpoint = f"ipc:///tmp/hsc-test-{uuid.uuid4().hex[:10]}/ep"
     try:
-        consumed = hscapture("consume", "--out", str(foreign), "--endpoint", endpoint, "--quiet", timeout=60)
+        consumed = run_cli(
+            "consume", "--out", str(foreign), "--endpoint", endpoint, "--quiet", in_process=False, timeout=60
+        )
         assert consumed.returncode == 1, consumed.stderr
         assert f"store directory {foreign} belongs to uid {other_user.uid}" in consumed.stderr
         assert "Traceback" not in consumed.stderr
-        extracted = hscapture("extract", "--out", str(foreign), "--model", str(tiny_model), "--limit", "1")
+        extracted = run_cli("extract", "--out", str(foreign), "--model", str(tiny_model), "--limit", "1")
         assert extracted.returncode == 1 and f"belongs to uid {other_user.uid}" in extracted.stderr, extracted.stderr
         assert_untouched(victim)
         assert sorted(os.listdir(foreign)) == [".lock", "index.jsonl"], "nothing of ours was written there"
@@ -129,7 +117,7 @@ def test_an_export_never_writes_through_a_planted_manifest_link(tiny_store: Path
 def test_stores_and_exports_are_private_by_default(other_user: OtherUser, shared_tmp: Path, tiny_model: Path) -> None:
     """A store ``extract`` creates is 0700 with 0600 files; the other user can neither list nor read it."""
     store = shared_tmp / "store"
-    done = hscapture("extract", "--out", str(store), "--model", str(tiny_model), "--limit", "3", "--no-progress")
+    done = run_cli("extract", "--out", str(store), "--model", str(tiny_model), "--limit", "3", "--no-progress")
     assert done.returncode == 0, done.stderr
     found = modes(store)
     assert stat.S_IMODE(store.stat().st_mode) == 0o700
@@ -151,7 +139,7 @@ def test_share_group_lets_that_group_read_the_store_and_no_one_else(
 ) -> None:
     store = shared_tmp / "store"
     args = ["extract", "--out", str(store), "--model", str(tiny_model), "--limit", "2", "--no-progress"]
-    done = hscapture(*args, "--share-group", str(other_user.gid))
+    done = run_cli(*args, "--share-group", str(other_user.gid))
     assert done.returncode == 0, done.stderr
     info = store.stat()
     assert (stat.S_IMODE(info.st_mode), info.st_gid) == (0o2750, other_user.gid)
@@ -162,13 +150,13 @@ def test_share_group_lets_that_group_read_the_store_and_no_one_else(
         ["cat", str(store / "index.jsonl")], user=other_user.uid, group=65534, extra_groups=[], capture_output=True
     )
     assert outsider.returncode != 0 and b"Permission denied" in outsider.stderr
-    again = hscapture(*args[:-1], "--limit", "4", "--no-progress")  # appending keeps the store shared
+    again = run_cli(*args[:-1], "--limit", "4", "--no-progress")  # appending keeps the store shared
     assert again.returncode == 0, again.stderr
     assert {stat.S_IMODE(p.stat().st_mode) for p in store.iterdir()} == {0o640}
 
 
 def test_share_group_must_be_a_group_of_the_user(tmp_path: Path, tiny_model: Path) -> None:
-    done = hscapture("extract", "--out", str(tmp_path / "s"), "--model", "/nonexistent", "--share-group", "no-such-grp")
+    done = run_cli("extract", "--out", str(tmp_path / "s"), "--model", "/nonexistent", "--share-group", "no-such-grp")
     assert done.returncode == 2 and "share_group: no group 'no-such-grp'" in done.stderr, done.stderr
     assert not (tmp_path / "s").exists()
 

@@ -16,8 +16,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,12 +33,8 @@ from hscapture.store.reader import open_store
 from hscapture.store.repair import LOST, repair_store
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
-from tests.conftest import TINY_SAMPLES
+from tests.conftest import TINY_SAMPLES, run_cli
 from tests.storefeed import Feed, make_layout, make_request, shard_bytes
-
-
-def hscapture(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hscapture", *args], capture_output=True, text=True, timeout=300)
 
 
 def header_of(path: Path) -> tuple[int, dict[str, Any]]:
@@ -107,7 +101,7 @@ def test_a_flipped_byte_in_a_row_is_refused_by_every_reader(
     assert not same(open_store(root, verify=False).get(key), pristine.get(key)), "verify=False reads unchecked"
 
     out = tmp_path / "export"  # issue 30.11: the damaged sample is named and left out, every other one written
-    done = hscapture("export", str(root), str(out), "--format", "specforge", "--no-progress")
+    done = run_cli("export", str(root), str(out), "--format", "specforge", "--no-progress")
     assert done.returncode == 1, done.stdout + done.stderr
     skipped, summary = done.stderr.splitlines()
     assert skipped.startswith(f"hscapture export: skipped {key!r}: {shard}: request {key!r}: layer_4"), skipped
@@ -215,23 +209,23 @@ def test_an_index_cut_in_half_is_found_rebuilt_and_captured_again(
     out = tmp_path / "store"
     extract = ["extract", "--model", str(tiny_model), "--data", str(tiny_demo_data), "--out", str(out)]
     extract += ["--shard-bytes", "256K", "--max-batch-tokens", "256", "--no-progress"]
-    assert hscapture(*extract).returncode == 0
+    assert run_cli(*extract, in_process=False).returncode == 0
     lines = index_lines(out)
     assert sum(b'"type":"shard"' in line for line in lines) >= 3, "the store needs several shards for this test"
     (out / "index.jsonl").write_bytes(b"".join(lines[: len(lines) // 2]))
     left = len(open_store(out).keys())
     assert left < TINY_SAMPLES
 
-    checked = hscapture("verify", str(out))
+    checked = run_cli("verify", str(out))
     assert checked.returncode == 1, checked.stdout
     assert "lost index line: shard-" in checked.stdout and "FAILED" in checked.stdout
-    repaired = hscapture("verify", str(out), "--repair")
+    repaired = run_cli("verify", str(out), "--repair")
     assert repaired.returncode == 0, repaired.stdout + repaired.stderr
     assert "listed: shard-" in repaired.stdout and "rebuilt:" in repaired.stdout
     store = open_store(out)
     assert len(store.keys()) == TINY_SAMPLES and len(store.keys(complete_only=True)) == left
 
-    again = hscapture(*extract)
+    again = run_cli(*extract, in_process=False)
     assert again.returncode == 0, again.stderr
     store = open_store(out)
     assert len(store.keys(complete_only=True)) == TINY_SAMPLES
@@ -333,6 +327,6 @@ def test_a_damaged_store_fails_in_its_own_process_with_one_line(tmp_path: Path) 
     path = damage_shard_header(root)
     exported = ["export", str(root), str(tmp_path / "o"), "--format", "specforge", "--any-aux-count", "--no-progress"]
     for command in (["verify", str(root)], exported):
-        done = hscapture(*command)
+        done = run_cli(*command, in_process=False)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         assert path.name in done.stdout + done.stderr

@@ -32,6 +32,7 @@ from hscapture.store.format import encode_line
 from hscapture.store.records import Finish
 from hscapture.store.verify import BLOCK_BYTES, ShardCheck, VerifyReport, format_report, verify_store
 from hscapture.store.writer import StoreWriter
+from tests.conftest import run_cli
 from tests.storefeed import ROWS_PER_SHARD, Feed, make_layout, make_request, shard_bytes, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,12 +110,6 @@ def flip(path: Path, offset: int, mask: int = 0x01) -> None:
 
 def shard_lines(root: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, (root / "index.jsonl").read_text().splitlines()) if r["type"] == "shard"]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hscapture", "verify", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 def request_line(request_id: str, spans: list[list[int]]) -> dict[str, Any]:
@@ -248,12 +243,12 @@ def test_a_clean_store_verifies(built: Built) -> None:
     assert not (report.corrupted or report.missing or report.unverifiable or report.affected_requests)
     assert not (report.ignored or report.torn_tail or report.unknown_shards or report.bad_index_lines)
 
-    result = cli(str(built.root))
+    result = run_cli("verify", str(built.root))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{NUM_SHARDS} shards listed: {NUM_SHARDS} verified, 0 corrupted, 0 missing" in result.stdout
     assert result.stdout.rstrip().endswith("OK: every listed shard that has checksums verifies")
 
-    result = cli(str(built.root), "--json")
+    result = run_cli("verify", str(built.root), "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["ok"] is True and len(data["verified"]) == NUM_SHARDS and data["corrupted"] == []
@@ -284,7 +279,7 @@ def test_a_flipped_bit_in_a_tensor_is_pinned_to_it(built: Built, tensor: str) ->
     assert [c.id for c in report.verified] == [0, 1, 3, 4, 5]
     assert not report.missing
 
-    result = cli(str(built.root))
+    result = run_cli("verify", str(built.root))
     assert result.returncode == 1, result.stdout + result.stderr
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("corrupted:")]
     assert "shard-000002.safetensors" in line and f"tensor {tensor}:" in line
@@ -325,7 +320,7 @@ def test_a_damaged_header_is_caught(built: Built, where: str) -> None:
     else:
         assert [p.split(":")[0] for p in bad.problems] == ["header unreadable"], bad.problems
 
-    result = cli(str(built.root))
+    result = run_cli("verify", str(built.root))
     assert result.returncode == 1
     assert f"corrupted: shard-00000{shard_id}.safetensors (shard {shard_id}): " in result.stdout
 
@@ -339,7 +334,7 @@ def test_a_deleted_shard_is_missing_with_its_requests(built: Built) -> None:
     assert sorted(gone.requests) == built.holders[3]
     assert sorted(report.affected_requests) == built.holders[3]
 
-    result = cli(str(built.root))
+    result = run_cli("verify", str(built.root))
     assert result.returncode == 1
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("missing:")]
     assert line.startswith("missing: shard-000003.safetensors (shard 3): file not found; affects")
@@ -354,7 +349,7 @@ def test_a_truncated_shard_is_corrupted(built: Built) -> None:
     assert bad.id == 5
     assert bad.problems[0] == f"{size - 10} bytes on disk, the index says {size}"
     assert "past the end" in bad.problems[1]
-    assert cli(str(built.root)).returncode == 1
+    assert run_cli("verify", str(built.root)).returncode == 1
 
 
 def test_a_flip_that_crosses_read_blocks_is_found(tmp_path: Path) -> None:
@@ -402,7 +397,7 @@ def test_unlisted_shard_files_are_lost_index_lines_and_temp_files_are_ignored(bu
     assert (lost.id, lost.file, lost.status) == (99, "shard-000099.safetensors", "lost")
     assert sorted(lost.requests) == built.holders[0]
 
-    result = cli(str(built.root))
+    result = run_cli("verify", str(built.root))
     assert result.returncode == 1, result.stdout
     assert "lost index line: shard-000099.safetensors (shard 99) is on disk but listed by no line" in result.stdout
     assert f"hscapture verify --repair {built.root} lists it" in result.stdout
@@ -417,10 +412,10 @@ def test_a_torn_index_tail_is_reported_not_an_error(built: Built) -> None:
     assert report.ok and report.torn_tail and report.torn_tail_bytes == len(torn)
     assert len(report.verified) == NUM_SHARDS and not report.unknown_shards
 
-    result = cli(str(built.root))
+    result = run_cli("verify", str(built.root))
     assert result.returncode == 0
     assert f"torn tail: index.jsonl ends in a {len(torn)}-byte line without a newline" in result.stdout
-    assert json.loads(cli(str(built.root), "--json").stdout)["torn_tail"] is True
+    assert json.loads(run_cli("verify", str(built.root), "--json").stdout)["torn_tail"] is True
 
 
 def test_shards_without_checksums_are_unverifiable(built: Built) -> None:
@@ -441,7 +436,7 @@ def test_shards_without_checksums_are_unverifiable(built: Built) -> None:
     assert report.ok and not report.verified
     assert [c.id for c in report.unverifiable] == list(range(NUM_SHARDS))
     assert all(c.status == "unverifiable" for c in report.unverifiable)
-    result = cli(str(built.root))
+    result = run_cli("verify", str(built.root))
     assert result.returncode == 0
     assert "0 verified, 0 corrupted, 0 missing, 6 unverifiable" in result.stdout
     assert "unverifiable: shard-000001.safetensors (shard 1): no crc32" in result.stdout
@@ -464,7 +459,7 @@ def test_a_request_naming_an_unlisted_shard_fails(built: Built) -> None:
     (problem,) = report.unknown_shards
     assert (problem.line, problem.request, problem.shards) == (number, "r-ghost", [42])
     assert report.affected_requests == ["r-ghost"]
-    result = cli(str(built.root))
+    result = run_cli("verify", str(built.root))
     assert result.returncode == 1
     assert f"unknown shard: index.jsonl line {number}: request r-ghost names shards [42]" in result.stdout
 
@@ -477,7 +472,7 @@ def test_a_corrupt_index_line_fails(built: Built) -> None:
     report = verify_store(built.root)
     assert not report.ok
     assert [p.line for p in report.bad_index_lines] == [3]
-    assert cli(str(built.root)).returncode == 1
+    assert run_cli("verify", str(built.root)).returncode == 1
 
 
 # ------------------------------------------------------------------------------ not a store
@@ -501,7 +496,7 @@ def test_not_a_store_exits_2_with_a_message(tmp_path: Path) -> None:
     for path, message in cases.items():
         with pytest.raises(StoreError, match=re.escape(message)):
             verify_store(path)
-        result = cli(str(path))
+        result = run_cli("verify", str(path))
         assert result.returncode == 2, (path, result.stdout, result.stderr)
         assert result.stdout == ""
         assert result.stderr.startswith(f"hscapture verify: {path}") and message in result.stderr
@@ -541,4 +536,4 @@ def test_a_progress_bar_when_stdout_is_a_terminal(built: Built) -> None:
     assert result.returncode == 0
     assert "OK: every listed shard" in shown
     assert re.search(rf"verify: .*{NUM_SHARDS}/{NUM_SHARDS}|verify: .*0/{NUM_SHARDS}", result.stderr), result.stderr
-    assert "verify" not in cli(str(built.root)).stderr, "no bar when stdout is not a terminal"
+    assert "verify" not in run_cli("verify", str(built.root)).stderr, "no bar when stdout is not a terminal"
