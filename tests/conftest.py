@@ -65,6 +65,12 @@ def run_cli(
     return subprocess.CompletedProcess(["hscapture", *argv], status, out.getvalue(), err.getvalue())
 
 
+def start_cli(*args: str | Path, **popen: object) -> subprocess.Popen:
+    """``hscapture ARGS`` started as a process of its own and not waited for (to be killed, signalled or raced):
+    ``run_cli``'s process form, for a command that runs beside the test."""
+    return subprocess.Popen([sys.executable, "-m", "hscapture", *map(str, args)], **popen)  # type: ignore[call-overload]
+
+
 def cli_refusal(*args: str | Path) -> tuple[int, str]:
     """``hscapture ARGS`` refused before any work starts, run in this process: its exit status and its stderr."""
     done = run_cli(*args)

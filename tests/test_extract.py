@@ -6,7 +6,6 @@ import contextlib
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from hscapture.data import Sample, load_samples, pad_batch, padded_length, plan_
 from hscapture.extract import ExtractOptions, extract
 from hscapture.integrations.hf import AttentionKernels, decoder, eagle3_default_layers, forward_batch
 from hscapture.tiny import write_demo_jsonl
-from tests.conftest import cli_refusal
+from tests.conftest import cli_refusal, start_cli
 
 BATCH_TOKENS = 1024
 PAD_TO = ExtractOptions.pad_to_multiple  # the default: the store must hold the rows of the batches extract ran
@@ -239,15 +238,11 @@ def test_store_meta_says_what_was_captured(extracted: Path, tiny_model: Path):
     assert run["end"]["counters"]["rows_dropped"] == 0
 
 
-def run_cli(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hscapture", *args], **kwargs)
-
-
 def test_interrupted_extraction_resumes_with_each_sample_once(tiny_model: Path, demo_data: Path, tmp_path: Path):
     out = tmp_path / "store"
     args = ["extract", "--model", str(tiny_model), "--data", str(demo_data), "--out", str(out)]
     args += ["--max-batch-tokens", "128", "--shard-size", "32K", "--no-progress"]
-    first = run_cli(*args)
+    first = start_cli(*args)
     index = out / "index.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and first.poll() is None:
@@ -259,7 +254,7 @@ def test_interrupted_extraction_resumes_with_each_sample_once(tiny_model: Path, 
     first.wait()
     partial = open_store(out) if (out / "meta.json").exists() else None
     assert partial is not None and 20 <= len(partial.keys(complete_only=True)) < 200
-    second = run_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = start_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, stderr = second.communicate(timeout=300)
     assert second.returncode == 0, stderr
     assert "resuming" in stderr and "already captured" in stderr

@@ -39,22 +39,12 @@ from hscapture.extract import ExtractOptions, extract
 from hscapture.partition import Part, coverage, key_hash
 from hscapture.store.collection import verify_set
 from hscapture.tiny import write_demo_jsonl
-from tests.conftest import cli_refusal
+from tests.conftest import cli_refusal, run_cli, start_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = 200
 MAX_LENGTH = 16  # shorter than every demo conversation: every sample is exactly this long
 BATCH_TOKENS = 64  # four samples per forward call
-
-
-def run_cli(*args: str | Path, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hscapture", *map(str, args)], **kwargs)
-
-
-def finished(*args: str | Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hscapture", *map(str, args)], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def request_lines(store: Path) -> list[dict]:
@@ -159,8 +149,8 @@ def test_two_shard_jobs_at_once_one_killed_and_resumed_equal_one_unsharded_job(
     tiny_model: Path, equal_data: Path, unsharded: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "split"
-    first = run_cli(*extract_args(tiny_model, equal_data, out, "--shard", "0/2", "--no-progress"))
-    second = run_cli(
+    first = start_cli(*extract_args(tiny_model, equal_data, out, "--shard", "0/2", "--no-progress"))
+    second = start_cli(
         *extract_args(tiny_model, equal_data, out, "--shard", "1/2", "--no-progress"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -179,7 +169,7 @@ def test_two_shard_jobs_at_once_one_killed_and_resumed_equal_one_unsharded_job(
     killed_with = len(open_store(part0).keys(complete_only=True))
     assert 8 <= killed_with < share
 
-    resumed = finished(*extract_args(tiny_model, equal_data, out, "--shard", "0/2", "--no-progress"))
+    resumed = run_cli(*extract_args(tiny_model, equal_data, out, "--shard", "0/2", "--no-progress"), in_process=False)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming {part0}: {killed_with} samples already captured, {share - killed_with} to go" in resumed.stderr
     assert f"store {part0}:" in resumed.stdout
@@ -230,7 +220,9 @@ def test_data_parallel_jobs_share_the_batches_under_one_bar(
     together = open_store(out)
     assert isinstance(together, StoreSet) and together.problems == [] and together.duplicates == {}
     assert_same_rows(together, open_store(unsharded), open_store(unsharded).keys())
-    again = finished(*extract_args(tiny_model, equal_data, out, "--data-parallel", "3", "--no-progress"))
+    again = run_cli(
+        *extract_args(tiny_model, equal_data, out, "--data-parallel", "3", "--no-progress"), in_process=False
+    )
     assert again.returncode == 0 and "nothing to capture" not in again.stderr, again.stderr
     assert "captured 0 samples" in again.stdout and f"{RECORDS} were already there" in again.stdout
     assert f"store {out} (2 parts): {RECORDS} complete samples" in again.stdout
@@ -244,7 +236,7 @@ def test_shards_of_data_parallel_jobs_share_one_out(
     out = tmp_path / "nodes"
     argv = [extract_args(tiny_model, equal_data, out, "--shard", f"{i}/2", "--data-parallel", "2") for i in range(2)]
     nodes = [
-        run_cli(*args, "--no-progress", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in argv
+        start_cli(*args, "--no-progress", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in argv
     ]
     for node in nodes:
         _, stderr = node.communicate(timeout=300)
@@ -262,8 +254,8 @@ def test_shards_of_data_parallel_jobs_share_one_out(
     assert [p.root.name for p in together.parts] == names
     assert together.problems == [] and together.duplicates == {}
     assert_same_rows(together, open_store(unsharded), open_store(unsharded).keys())
-    assert verify_set([out]).ok and finished("verify", out).returncode == 0
-    report = json.loads(finished("inspect", out, "--json").stdout)
+    assert verify_set([out]).ok and run_cli("verify", out).returncode == 0
+    report = json.loads(run_cli("inspect", out, "--json").stdout)
     assert report["requests"] == RECORDS and report["duplicates"] == 0 and len(report["parts"]) == 4
 
 
@@ -282,7 +274,7 @@ def test_a_killed_data_parallel_job_stops_the_others_and_a_rerun_completes_the_s
     tiny_model: Path, equal_data: Path, unsharded: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "killed"
-    running = run_cli(
+    running = start_cli(
         *extract_args(tiny_model, equal_data, out, "--data-parallel", "2", "--no-progress"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -303,7 +295,9 @@ def test_a_killed_data_parallel_job_stops_the_others_and_a_rerun_completes_the_s
     assert len(before[0]) >= 8 and sum(map(len, before)) < RECORDS
     assert open_store(out / "dp1").metadata()["runs"][-1]["end"] is not None, "dp1 was not let finish its store"
 
-    resumed = finished(*extract_args(tiny_model, equal_data, out, "--data-parallel", "2", "--no-progress"))
+    resumed = run_cli(
+        *extract_args(tiny_model, equal_data, out, "--data-parallel", "2", "--no-progress"), in_process=False
+    )
     assert resumed.returncode == 0, resumed.stderr
     done = sum(map(len, before))
     assert f"resuming {out}: {done} samples already captured, {RECORDS - done} to go" in resumed.stderr
@@ -323,7 +317,9 @@ def test_a_failing_job_stops_the_others_with_its_error(tiny_model: Path, tmp_pat
     foreign.mkdir(parents=True)
     meta = json.loads((unsharded / "meta.json").read_text())
     (foreign / "meta.json").write_text(json.dumps({**meta, "hidden_size": 999}))
-    done = finished("extract", "--model", tiny_model, "--data", data, "--out", out, "--data-parallel", "2")
+    done = run_cli(
+        "extract", "--model", tiny_model, "--data", data, "--out", out, "--data-parallel", "2", in_process=False
+    )
     assert done.returncode == 1, done.stderr
     assert "hscapture extract: failed: dp1: " in done.stderr, done.stderr
     stopped = open_store(out / "dp0")
@@ -410,15 +406,15 @@ def test_a_key_in_two_parts_is_reported_and_read_once(parts_dir: Path, tmp_path:
     assert any(f"{len(doubled)} keys are in more than one part" in p for p in both.problems), both.problems
     assert len(CaptureDataset(layout)) == len(both)
 
-    inspected = finished("inspect", layout, "--json")
+    inspected = run_cli("inspect", layout, "--json")
     report = json.loads(inspected.stdout)
     assert report["duplicates"] == len(doubled) and report["requests"] == len(both)
     assert [p["requests"] for p in report["parts"]] == [len(doubled), len(both) - len(doubled), len(doubled)]
-    text = finished("inspect", layout).stdout
+    text = run_cli("inspect", layout).stdout
     assert "a set of 3 parts" in text and f"{len(doubled)} keys in more than one part" in text and "duplicate '" in text
-    verified = finished("verify", layout)
+    verified = run_cli("verify", layout)
     assert verified.returncode == 1 and "set problem:" in verified.stdout and "FAILED" in verified.stdout
-    exported = finished("export", layout, tmp_path / "export", "--format", "specforge", "--no-progress")
+    exported = run_cli("export", layout, tmp_path / "export", "--format", "specforge", "--no-progress")
     assert exported.returncode == 0, exported.stderr
     assert f"wrote {len(both)} samples" in exported.stdout and "keys are in more than one part" in exported.stdout
     ids = [json.loads(line)["id"] for line in (tmp_path / "export" / MANIFEST).read_text().splitlines()[1:]]
@@ -432,12 +428,12 @@ def test_set_layouts_gaps_and_mismatches(parts_dir: Path, tiny_model: Path, tiny
     served = open_store(groups)
     assert [p.root.name for p in served.parts] == ["dp0", "dp1"] and served.problems == []
     assert sorted(served.keys()) == sorted(open_store(parts_dir).keys())
-    assert verify_set([groups]).ok and finished("verify", groups).returncode == 0
+    assert verify_set([groups]).ok and run_cli("verify", groups).returncode == 0
 
     half = tmp_path / "half"
     shutil.copytree(parts_dir / "part-0-of-2", half / "part-0-of-2")
     assert any("no part holds the keys of part-1-of-2" in p for p in open_store(half).problems)
-    assert finished("verify", half).returncode == 1
+    assert run_cli("verify", half).returncode == 1
     (half / "part-1-of-2").mkdir()
     problems = open_store(half).problems
     assert problems == [f"{half / 'part-1-of-2'}: no store yet (nothing captured there)"], problems
