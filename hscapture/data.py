@@ -75,9 +75,9 @@ def read_records(path: Path | str) -> Iterator[tuple[int, dict[str, Any]]]:
         An iterator of ``(line_number, record)``, line numbers counted from 1; blank lines are skipped.
 
     Raises:
-        ValueError: If a line is not valid UTF-8, not valid JSON, not a JSON object, or holds a lone
-            UTF-16 surrogate (``"\\ud800"``, which no tokenizer can encode); the message names the file
-            and line.
+        ValueError: If a line is not valid UTF-8, not valid JSON (or nested too deep to decode), not a
+            JSON object, or holds a lone UTF-16 surrogate (``"\\ud800"``, which no tokenizer can encode);
+            the message names the file and line.
         FileNotFoundError: If ``path`` does not exist.
     """
     path = Path(path)
@@ -98,6 +98,11 @@ def read_records(path: Path | str) -> Iterator[tuple[int, dict[str, Any]]]:
                     f"{path}:{line_number}: invalid JSON: {e.msg} at column {e.colno}; "
                     "each line must hold exactly one JSON object"
                 ) from e
+            except RecursionError:  # the C decoder recurses per level of nesting
+                raise ValueError(
+                    f"{path}:{line_number}: invalid JSON: nested too deep for Python's decoder; "
+                    "flatten the record (a chat record nests a few levels)"
+                ) from None
             if not isinstance(record, dict):
                 raise ValueError(
                     f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}; "

@@ -47,6 +47,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     lone = '{"messages": [{"role": "user", "content": "a\\ud800"}]}\n'
     surrogate = write_jsonl(tmp_path / "surrogate.jsonl", good + lone)
     missing = tmp_path / "nope.jsonl"
+    nested = write_jsonl(tmp_path / "nested.jsonl", good + '{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}\n")
     gpus = torch.cuda.device_count()
     device = ["--device", f"cuda:{gpus}"] if gpus else ["--device", "cuda"]
     no_gpu = f"this host has {gpus} CUDA device(s)" if gpus else "no CUDA device is visible on this host"
@@ -60,6 +61,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "zero limit": (["--limit", "0"], "--limit: 0; give how many records"),
         "no tokenizing process": (["--tokenize-workers", "0"], "--tokenize-workers: 0; give 1 to 256 processes"),
         "a lone surrogate": (["--data", str(surrogate)], f"{surrogate}:2: a string holds a lone surrogate '\\ud800'"),
+        "nested too deep": (["--data", str(nested)], f"{nested}:2: invalid JSON: nested too deep"),
     }
 
 
@@ -75,6 +77,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "zero limit",
         "no tokenizing process",
         "a lone surrogate",
+        "nested too deep",
     ],
 )
 def test_bad_options_and_data_fail_in_one_line_before_the_model_loads(
