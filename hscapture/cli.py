@@ -425,7 +425,8 @@ def _bench(suite_args: list[str]) -> int:
             f"no benchmarks/run.py beside {root / 'hscapture'}: the suites ship with the source checkout, not the "
             "package; git clone the repository, pip install -e '.[bench]' there, and run hscapture bench from it"
         )
-    return subprocess.call([sys.executable, str(script), *(suite_args or ["--help"])])
+    environment = {**os.environ, "HSCAPTURE_BENCH_PROG": "hscapture bench"}  # its usage lines name this command
+    return subprocess.call([sys.executable, str(script), *(suite_args or ["--help"])], env=environment)
 
 
 def _consume(args: argparse.Namespace) -> int:

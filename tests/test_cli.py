@@ -121,13 +121,14 @@ def test_one_shard_size_flag_everywhere_and_the_old_spelling_still_works(capsys:
 
 
 def test_bench_runs_the_checkouts_run_py_in_its_own_process() -> None:
+    """In its own process, and its usage lines name the command the user typed (not benchmarks/run.py)."""
     probe = (
         "import sys; from hscapture.cli import main; code = main(['bench', 'gpu', '--help']); "
         "print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'benchmarks'))"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "usage: benchmarks/run.py gpu" in done.stdout and done.stdout.strip().endswith("0 []")
+    assert "usage: hscapture bench gpu" in done.stdout and done.stdout.strip().endswith("0 []")
 
 
 def test_bench_without_a_source_checkout_says_where_the_suites_are(tmp_path: Path) -> None:
