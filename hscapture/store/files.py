@@ -48,13 +48,15 @@ def group_id(name: str) -> int:
     return gid
 
 
-def prepare_store_dir(root: Path, share_group: str | None = None, what: str = "store directory") -> int:
+def prepare_store_dir(
+    root: Path, share_group: str | None = None, what: str = "store directory", option: str = "--out"
+) -> int:
     """Create the store directory (0700), or check an existing one; returns the mode of files to create.
 
     ``root`` may be a link of the user's own to a directory elsewhere; a link another user made is
     refused. With ``share_group`` the directory is given to that group, setgid and 2750, and the
     store's files already there become 0640 in it. ``what`` names the directory in messages (an
-    export's output directory follows the same rules).
+    export's output directory follows the same rules), ``option`` the argument that gives it.
 
     Raises:
         AccessError: a link or directory of another user, or a directory others may write into.
@@ -69,9 +71,10 @@ def prepare_store_dir(root: Path, share_group: str | None = None, what: str = "s
         check_owner(link, root, "store directory (a link)", 0, "")
     info = os.stat(root)
     if not stat.S_ISDIR(info.st_mode):
-        raise AccessError(f"store directory {root} is not a directory; choose another --out")
+        raise AccessError(f"{what} {root} is not a directory; choose another {option}")
     fix = (
-        f"if you made it, run `chmod go-w {root}`, else choose another --out (whoever can write there can plant links)"
+        f"if you made it, run `chmod go-w {root}`, else choose another {option} "
+        "(whoever can write there can plant links)"
     )
     check_owner(info, root, "store directory", 0o022, fix)
     if gid is not None:
