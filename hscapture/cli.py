@@ -347,19 +347,7 @@ def _extract(args: argparse.Namespace) -> int:
         split = f" in part {options.shard}" if options.shard is not None else ""
         print(f"nothing to capture: {options.data or 'the demo data'} has no samples{split}", file=sys.stderr)
         return 1
-    where = summary.out or options.out
-    parts = f" ({store['parts']} parts)" if "parts" in store else ""
-    print(
-        f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
-        f"({summary.tokens_per_s:.0f} tok/s; the consumer took {summary.startup_seconds:.1f} s to start before); "
-        f"{summary.skipped} were already there\n"
-        f"{_preparation(summary)}"
-        f"store {where}{parts}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
-        f"{store['rows']} rows, {store['shards']} shards, {store['bytes'] / MiB:.1f} MiB, "
-        f"{store['rows_dropped']} rows dropped\n"
-        f"read it: python -c \"from hscapture import open_store; s = open_store('{where}'); "
-        'print(s.get(s.keys()[0]))"'
-    )
+    print(extract_report(options, summary))
     if summary.empty_loss_mask:
         print(
             f"warning: {summary.empty_loss_mask} of the {summary.samples} samples captured have an empty loss mask "
@@ -368,6 +356,26 @@ def _extract(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def extract_report(options: ExtractOptions, summary: ExtractSummary) -> str:
+    """What ``extract`` did, where its store is and how to read it (``--out``: every part there, as one)."""
+    from hscapture.inspection import counted
+
+    store = summary.store
+    where = summary.out or options.out
+    parts = f" ({store['parts']} parts)" if "parts" in store else ""
+    return (
+        f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
+        f"({summary.tokens_per_s:.0f} tok/s; the consumer took {summary.startup_seconds:.1f} s to start before); "
+        f"{summary.skipped} were already there\n"
+        f"{_preparation(summary)}"
+        f"store {where}{parts}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
+        f"{store['rows']} rows, {counted(store['shards'], 'shard')}, {store['bytes'] / MiB:.1f} MiB, "
+        f"{store['rows_dropped']} rows dropped\n"
+        f"read it: python -c \"from hscapture import open_store; s = open_store('{options.out}'); "
+        'print(s.get(s.keys()[0]))"'
+    )
 
 
 def _preparation(summary: ExtractSummary) -> str:

@@ -23,6 +23,11 @@ from hscapture.store.reader import Store
 _QUIET_CONFIG = ("endpoint", "token", "block_timeout_s")
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 shard``, ``2 shards``, ``1,024 samples``: a count and its noun, plural unless one."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def inspect_store(path: str | Path | Sequence[str | Path], max_listed: int = 10) -> dict[str, Any]:
     """A summary of the store at ``path`` (or the set of parts there, or in a list); lists (incomplete
     samples, runs, duplicate keys) hold at most ``max_listed``.
@@ -124,7 +129,7 @@ def format_inspection(report: dict[str, Any]) -> str:
         f"{report['loss_tokens']:,} in loss masks",
         f"shared     {report['rows_shared']:,} rows served by reference to a donor's rows "
         f"({report['requests_sharing']:,} requests; ~{report['bytes_shared'] / MiB:,.1f} MiB not stored twice)",
-        f"disk       {report['bytes'] / MiB:,.1f} MiB in {report['shards']:,} shards "
+        f"disk       {report['bytes'] / MiB:,.1f} MiB in {counted(report['shards'], 'shard')} "
         f"({report['bytes_on_disk'] / MiB:,.1f} MiB in the directory)",
         f"drops      {dropped:,} rows dropped by the producer"
         + (f" ({report['requests_with_drops']:,} requests lost rows)" if dropped else ""),
@@ -147,7 +152,7 @@ def format_inspection(report: dict[str, Any]) -> str:
     for part in parts or ():
         lines.append(
             f"  {part['store']}: {part['requests']:,} requests ({part['complete']:,} complete), "
-            f"{part['rows']:,} tokens, {part['shards']:,} shards, {part['bytes'] / MiB:,.1f} MiB"
+            f"{part['rows']:,} tokens, {counted(part['shards'], 'shard')}, {part['bytes'] / MiB:,.1f} MiB"
         )
     for duplicate in report.get("duplicate_keys", []):
         lines.append(f"  duplicate {duplicate['id']!r} in {' and '.join(duplicate['parts'])}")
