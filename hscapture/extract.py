@@ -45,6 +45,7 @@ from hscapture.config import STORE_DTYPES, MiB, ensure_writable_dir, flag, store
 from hscapture.consumer import consume_command
 from hscapture.data import Sample, check_batching, keyed_records, load_samples, plan_batches, tokenize_workers
 from hscapture.errors import HSCaptureError
+from hscapture.leftovers import dirs_removed_on_failure, files_of, remove_empty, undo_unrecorded
 from hscapture.parallel import Job, Shared, run_jobs
 from hscapture.partition import Part
 from hscapture.store.collection import StoreSet, is_store, named_job, named_part, part_dir, part_dirs
@@ -316,17 +317,18 @@ def extract(options: ExtractOptions, bar: BarFactory | None = None) -> ExtractSu
     out = Path(options.out)
     part, jobs = parse_split(options)
     data = check_options(options)
-    ensure_writable_dir(out, "--out")
-    check_out_layout(out, part, jobs)
-    if jobs > 1:
-        prepare_store_dir(out, options.share_group, what="directory of parts")
-        return _extract_shared(options, out, part, jobs, data)
-    if part is not None:  # this job's store is its part of --out
-        prepare_store_dir(out, options.share_group, what="directory of parts")
-        out = ensure_writable_dir(out / part_dir(part), "--out")
-        options = replace(options, out=out)
-    show = bar or _tqdm_bar(options.progress)
-    return _with_engine(options, out, lambda engine, lock: _run(engine, options, out, data, part, lock, show))
+    with dirs_removed_on_failure(out):  # a refused run leaves no folder it made
+        ensure_writable_dir(out, "--out")
+        check_out_layout(out, part, jobs)
+        if jobs > 1:
+            prepare_store_dir(out, options.share_group, what="directory of parts")
+            return _extract_shared(options, out, part, jobs, data)
+        if part is not None:  # this job's store is its part of --out
+            prepare_store_dir(out, options.share_group, what="directory of parts")
+            out = out / part_dir(part)
+            options = replace(options, out=out)
+        show = bar or _tqdm_bar(options.progress)
+        return _with_engine(options, out, lambda engine, lock: _run(engine, options, out, data, part, lock, show))
 
 
 def _tqdm_bar(show: bool) -> BarFactory:
@@ -336,8 +338,16 @@ def _tqdm_bar(show: bool) -> BarFactory:
 def _with_engine(
     options: ExtractOptions, out: Path, capture: Callable[[OfflineEngine, StoreLock], ExtractSummary]
 ) -> ExtractSummary:
-    """Take the lock of the store at ``out``, load the engine, ``capture(engine, lock)``; release both."""
-    lock = lock_store(out, 1.0, prepare_store_dir(out, options.share_group))
+    """Take the lock of the store at ``out``, load the engine, ``capture(engine, lock)``; release both. A failure
+    before a run was recorded removes what this made in ``out`` (:mod:`hscapture.leftovers`), under the lock."""
+    before = files_of(out)
+    ensure_writable_dir(out, "--out")
+    try:
+        lock = lock_store(out, 1.0, prepare_store_dir(out, options.share_group))
+    except BaseException:
+        if before is None:
+            remove_empty([out])
+        raise
     try:
         check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
         loading = time.monotonic()
@@ -347,6 +357,9 @@ def _with_engine(
             return replace(capture(engine, lock), load_seconds=load_seconds)
         finally:
             engine.shutdown()
+    except BaseException:
+        undo_unrecorded(out, before)
+        raise
     finally:
         lock.close()
 
@@ -545,7 +558,7 @@ def _shared_job(
 ) -> ExtractSummary:
     """Job ``job`` of ``--data-parallel``, in its own process: load the engine at once, then capture the batches
     it takes from ``shared`` into its own store ``options.out``."""
-    out = ensure_writable_dir(Path(options.out), "--out")
+    out = Path(options.out)
 
     def capture(engine: OfflineEngine, lock: StoreLock) -> ExtractSummary:
         longest = shared.plan()
@@ -614,6 +627,7 @@ def _capture(
             engine.start(endpoint, meta, consumer_alive, longest)
         except BaseException:
             consumer.kill()
+            consumer.wait()  # gone before anything it made is looked at
             raise
         started, started_at = time.monotonic(), time.time()
         samples = tokens = empty = 0

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +23,14 @@ import torch
 
 from hscapture import cli
 from hscapture.data import read_records, record_key
+from hscapture.errors import HSCaptureError
 from hscapture.extract import ExtractOptions, extract
 from hscapture.store.format import encode_line
 from hscapture.store.reader import open_store
 from hscapture.store.records import DUPLICATE
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
+from tests.conftest import cli_refusal
 from tests.storefeed import Feed, make_layout, make_request, shard_bytes
 
 
@@ -184,3 +187,68 @@ def test_records_without_an_assistant_turn_are_stored_and_counted(tiny_model: Pa
     masks = {key: store.get(key)["loss_mask"] for key in store}
     assert not masks["ask"].any() and not masks["prompt"].any() and masks["chat"].any()
     assert os.stat(out).st_mode & 0o077 == 0
+
+
+def unsupported_model(tmp_path: Path) -> Path:
+    """A model directory whose architecture SGLang's capture cannot describe (refused from its config.json)."""
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 4}))
+    return model
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("out_exists", [False, True], ids=["new out", "existing out"])
+@pytest.mark.parametrize("split", [[], ["--shard", "1/2"]], ids=["one store", "a part"])
+@pytest.mark.parametrize("refusal", ["bad layers", "unsupported architecture"])
+def test_a_refused_run_leaves_nothing_it_created(
+    refusal: str, split: list[str], out_exists: bool, tiny_model: Path, tiny_demo_data: Path, tmp_path: Path
+) -> None:
+    """Refused after the store's lock was taken (the model's layers or architecture): no lock, no store, no folder
+    made; an --out that existed keeps exactly what it held."""
+    base = tmp_path / "work"
+    base.mkdir()
+    out = base / "deep" / "out"
+    if out_exists:
+        out.mkdir(parents=True)
+        (out / "mine.txt").write_text("the user's own file")
+    before = listing(base)
+    if refusal == "bad layers":
+        args = ["--model", tiny_model, "--layers", "2,99"]
+        expected = "99"
+    else:
+        args = ["--engine", "sglang", "--model", unsupported_model(tmp_path)]
+        expected = "GPT2LMHeadModel"
+    status, stderr = cli_refusal("extract", "--out", out, "--data", tiny_demo_data, *split, *args, "--no-progress")
+    assert status == 2 and expected in stderr, stderr
+    assert listing(base) == before
+
+
+def test_an_engine_that_fails_to_start_leaves_no_empty_store(
+    tiny_model: Path, tiny_demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer was started (it made index.jsonl) and the engine failed at start, as SGLang can: the store's
+    files are removed with the folder; the error is the engine's."""
+    from transformers import AutoTokenizer
+
+    import hscapture.extract as extraction
+
+    class FailingEngine:
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+        meta: typing.ClassVar[dict[str, str]] = {}
+
+        def start(self, *args: object) -> None:
+            time.sleep(1.0)  # the consumer process is up and has opened the store meanwhile
+            raise HSCaptureError("the engine did not start")
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(extraction, "open_engine", lambda options: FailingEngine())
+    out = tmp_path / "store"
+    with pytest.raises(HSCaptureError, match="the engine did not start"):
+        extract(ExtractOptions(out, tiny_model, tiny_demo_data, limit=2, progress=False))
+    assert not out.exists()
