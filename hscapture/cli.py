@@ -337,9 +337,13 @@ def _extract(args: argparse.Namespace) -> int:
 
     args.sglang_args = _after_dashes(args.sglang_args)
     options: ExtractOptions = options_from(ExtractOptions, args)
+    terminated = _sigterm_as_ctrl_c()
     try:
         summary = extract(options)
     except KeyboardInterrupt:
+        if terminated:
+            print(f"\nstopped (SIGTERM); run the same command again to resume into {options.out}", file=sys.stderr)
+            return 143
         print(f"\ninterrupted; run the same command again to resume into {options.out}", file=sys.stderr)
         return 130
     store = summary.store
@@ -376,6 +380,22 @@ def extract_report(options: ExtractOptions, summary: ExtractSummary) -> str:
         f"read it: python -c \"from hscapture import open_store; s = open_store('{options.out}'); "
         'print(s.get(s.keys()[0]))"'
     )
+
+
+def _sigterm_as_ctrl_c() -> list[int]:
+    """Make SIGTERM stop this command as Ctrl-C does (KeyboardInterrupt: the store finished, the ring and sockets
+    removed), where it killed it and left them for the next run to reclaim. Returns a list that holds the signal
+    once it came; a second SIGTERM while the command cleans up is ignored (a supervisor escalates to SIGKILL)."""
+    came: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if came:
+            return
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    return came
 
 
 def _preparation(summary: ExtractSummary) -> str:

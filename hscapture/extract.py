@@ -215,12 +215,17 @@ def start_consumer(endpoint: str, options: ExtractOptions, lock: StoreLock) -> s
 
 
 def wait_consumer(consumer: subprocess.Popen, timeout_s: float = 120.0) -> int:
-    """The consumer's exit status, stopping it (it then finishes the store) if it outlives the timeout."""
+    """The consumer's exit status, stopping it (it then finishes the store) if it outlives the timeout, and
+    killing it if it outlives that too."""
     try:
         return consumer.wait(timeout_s)
     except subprocess.TimeoutExpired:
         consumer.terminate()
+    try:
         return consumer.wait(10)
+    except subprocess.TimeoutExpired:
+        consumer.kill()
+        return consumer.wait()
 
 
 def check_options(options: ExtractOptions) -> Path:
@@ -625,9 +630,10 @@ def _capture(
 
         try:
             engine.start(endpoint, meta, consumer_alive, longest)
-        except BaseException:
-            consumer.kill()
-            consumer.wait()  # gone before anything it made is looked at
+        except BaseException:  # e.g. Ctrl-C or SIGTERM while the consumer attaches: it finishes what it began
+            engine.shutdown()
+            consumer.terminate()
+            wait_consumer(consumer, 30.0)  # gone before anything it made is looked at
             raise
         started, started_at = time.monotonic(), time.time()
         samples = tokens = empty = 0

@@ -252,3 +252,36 @@ def test_an_engine_that_fails_to_start_leaves_no_empty_store(
     with pytest.raises(HSCaptureError, match="the engine did not start"):
         extract(ExtractOptions(out, tiny_model, tiny_demo_data, limit=2, progress=False))
     assert not out.exists()
+
+
+def test_sigterm_stops_extract_as_ctrl_c_does(tiny_model: Path, tmp_path: Path) -> None:
+    """SIGTERM mid-capture (a scheduler stopping the job): the store is finished and verifies, the ring and sockets
+    are gone at once (not left for the next run to reclaim), and the exit status says SIGTERM."""
+    from hscapture.tiny import write_demo_jsonl
+
+    data = write_demo_jsonl(tmp_path / "data.jsonl", n=400)
+    out, log = tmp_path / "store", tmp_path / "stderr.txt"
+    args = ["extract", "--model", tiny_model, "--data", data, "--out", out, "--no-progress", "--shard-bytes", "64K"]
+    with log.open("wb") as stderr:
+        job = subprocess.Popen([sys.executable, "-m", "hscapture", *map(str, args)], stderr=stderr)
+    rings = f"hscapture-{os.getuid()}-{job.pid}-*"
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "index.jsonl").exists() and complete_ids(out)):  # capturing: samples stored
+            assert job.poll() is None and time.monotonic() < deadline, "the extraction never began capturing"
+            time.sleep(0.05)
+        assert list(Path("/dev/shm").glob(rings))
+        job.send_signal(signal.SIGTERM)
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    said = log.read_text()
+    assert job.returncode == 143, said
+    assert "stopped (SIGTERM); run the same command again to resume" in said
+    assert not list(Path("/dev/shm").glob(rings)), "the ring was left behind"
+    assert not list(Path(f"/tmp/hscapture-{os.getuid()}").glob(f"extract-{job.pid}*")), "sockets were left behind"
+    store = open_store(out)
+    assert store.metadata()["runs"][-1]["end"] is not None, "the store's run was not finished"
+    assert 0 < len(store.keys(complete_only=True)) < 400 and verify_store(out).ok
