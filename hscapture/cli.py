@@ -352,6 +352,15 @@ def _extract(args: argparse.Namespace) -> int:
         print(f"nothing to capture: {options.data or 'the demo data'} has no samples{split}", file=sys.stderr)
         return 1
     print(extract_report(options, summary))
+    if summary.cut:
+        from hscapture.inspection import counted
+
+        print(
+            f"warning: {counted(summary.cut, 'sample')} longer than {summary.limit_from} cut to {summary.limit} tokens "
+            f"(the longest had {summary.longest_cut}); their later tokens are not in the store"
+            + ("" if summary.limit_from.startswith("--max-length") else "; --max-length sets a lower limit"),
+            file=sys.stderr,
+        )
     if summary.empty_loss_mask:
         print(
             f"warning: {summary.empty_loss_mask} of the {summary.samples} samples captured have an empty loss mask "
@@ -558,6 +567,15 @@ def _export(args: argparse.Namespace) -> int:
         lines.append(
             f"{summary.skipped_empty_loss_mask} samples with an empty loss mask left out, nothing in them is trained "
             "on (--keep-empty-loss-mask exports them)"
+        )
+    if summary.cut:
+        from hscapture.inspection import counted
+
+        print(
+            f"warning: {counted(summary.cut, 'sample')} longer than {summary.limit_from} cut to {summary.limit} tokens "
+            f"(the longest had {summary.longest_cut}); their later tokens are not in the store"
+            + ("" if summary.limit_from.startswith("--max-length") else "; --max-length sets a lower limit"),
+            file=sys.stderr,
         )
     if summary.empty_loss_mask:
         lines.append(

@@ -28,6 +28,7 @@ hold the part. ``hscapture.open_store(OUT)`` reads the stores as one dataset.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import subprocess
@@ -76,7 +77,8 @@ class ExtractOptions:
     dtype: str | None = None
     #: Torch device to run the model on.
     device: str = "cpu"
-    #: Truncate samples to this many tokens.
+    #: Cut samples to this many tokens (default: the model's context, its config's max_position_embeddings); the
+    #: samples cut are counted and named in a warning.
     max_length: int | None = None
     #: Padded tokens per forward call.
     max_batch_tokens: int = 4096
@@ -148,6 +150,13 @@ class ExtractSummary:
     data_seconds: float = 0.0
     #: Several jobs (``--data-parallel``): each job's own summary, in job order (``data_seconds``: the parent's).
     jobs: tuple[ExtractSummary, ...] = ()
+    #: Samples of this run cut to ``limit`` tokens (longer than the model's context or ``--max-length``), and
+    #: the most tokens one of them had before.
+    cut: int = 0
+    longest_cut: int = 0
+    #: The most tokens a sample keeps, and what sets it (``the model's context``, ``--max-length``).
+    limit: int | None = None
+    limit_from: str = ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -162,9 +171,9 @@ class OfflineEngine(Protocol):
     #: Facts for the store's run line (engine, model, mode, ...).
     meta: dict[str, Any]
 
-    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None], longest: int) -> None:
-        """Start capturing to a consumer on ``endpoint``; ``watchdog`` raises if the consumer died; no sample
-        given to :meth:`run` is longer than ``longest`` tokens (the batches are :func:`plan`'s)."""
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
+        """Start capturing to a consumer on ``endpoint``; ``watchdog`` raises if the consumer died. Buffers are sized
+        from the engine's limits (e.g. ``--max-batch-tokens``), never from a sample."""
 
     def run(self, batch: list[Sample]) -> int:
         """Capture one batch; returns the tokens captured."""
@@ -228,6 +237,44 @@ def wait_consumer(consumer: subprocess.Popen, timeout_s: float = 120.0) -> int:
         return consumer.wait()
 
 
+def model_context(model: Path, engine_args: Sequence[str] = ()) -> int | None:
+    """The most tokens the model at ``model`` takes in one sequence: SGLang's ``--context-length`` if given, else its
+    ``config.json``'s ``max_position_embeddings`` (of the text model, for a wrapper such as Kimi-K2.5); None if
+    neither says."""
+    for i, arg in enumerate(engine_args):
+        value = arg.split("=", 1)[1] if arg.startswith("--context-length=") else None
+        if arg == "--context-length" and i + 1 < len(engine_args):
+            value = engine_args[i + 1]
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (config, config.get("text_config"), config.get("language_config")):
+        if isinstance(part, dict) and isinstance(part.get("max_position_embeddings"), int):
+            return part["max_position_embeddings"] if part["max_position_embeddings"] > 0 else None
+    return None
+
+
+def sample_limit(options: ExtractOptions, model: Path) -> tuple[int | None, str]:
+    """The most tokens a sample keeps (longer ones are cut to it), and what sets it: the model's context or
+    ``--max-length``, whichever is lower (None: neither is known)."""
+    context = model_context(model, options.sglang_args)
+    if options.max_length is not None and (context is None or options.max_length <= context):
+        return options.max_length, f"--max-length {options.max_length}"
+    if context is None:
+        return None, ""
+    return context, f"the model's context ({context} tokens)"
+
+
+def _cut(summary: ExtractSummary, samples: Sequence[Sample], limit: tuple[int | None, str]) -> ExtractSummary:
+    """``summary`` with the count of ``samples`` that were cut to the limit."""
+    cut = [s for s in samples if s.cut]
+    longest = max((len(s.input_ids) + s.cut for s in cut), default=0)
+    return replace(summary, cut=len(cut), longest_cut=longest, limit=limit[0], limit_from=limit[1])
+
+
 def check_options(options: ExtractOptions) -> Path:
     """Everything about the options that needs no model, checked; returns the data file.
 
@@ -239,6 +286,8 @@ def check_options(options: ExtractOptions) -> Path:
         raise ValueError("--layers: nothing to capture (no layer ids and --no-last); give layer ids or drop --no-last")
     if options.limit is not None and options.limit < 1:
         raise ValueError(f"--limit: {options.limit}; give how many records of the data to capture (at least 1)")
+    if options.max_length is not None and options.max_length < 1:
+        raise ValueError(f"--max-length: {options.max_length}; give the most tokens a sample keeps (at least 1)")
     if options.tokenize_workers is not None and not 1 <= options.tokenize_workers <= 256:
         raise ValueError(f"--tokenize-workers: {options.tokenize_workers}; give 1 to 256 processes (1: none started)")
     if options.engine not in ENGINES:
@@ -519,6 +568,8 @@ def _extract_shared(options: ExtractOptions, out: Path, part: Part | None, jobs:
         print(f"resuming {out}: {len(skip)} samples already captured, 0 to go", file=sys.stderr)
         return ExtractSummary(0, 0, 0.0, len(skip), StoreSet(earlier).summary(), out=out)
     prepared: dict[str, float] = {}
+    limit = sample_limit(options, options.model)
+    cut: list[ExtractSummary] = []
 
     def share(shared: Shared) -> None:
         from transformers import AutoTokenizer
@@ -526,7 +577,8 @@ def _extract_shared(options: ExtractOptions, out: Path, part: Part | None, jobs:
         reading = time.monotonic()
         tokenizer = AutoTokenizer.from_pretrained(options.model)
         workers = options.tokenize_workers or tokenize_workers(data)
-        samples = list(load_samples(data, tokenizer, options.max_length, skip, options.limit, keep, workers))
+        samples = list(load_samples(data, tokenizer, limit[0], skip, options.limit, keep, workers))
+        cut.append(_cut(ExtractSummary(0, 0, 0.0, 0, {}), samples, limit))
         if skip:
             print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
         batches = plan(options, samples)
@@ -549,13 +601,18 @@ def _extract_shared(options: ExtractOptions, out: Path, part: Part | None, jobs:
     ran = [r for r in results if r.samples]
     began = min((r.started_at for r in ran), default=0.0)
     stores = run_stores(out, part)
-    return ExtractSummary(
+    summary = ExtractSummary(
         sum(r.samples for r in results), sum(r.tokens for r in results),
         max((r.started_at + r.seconds for r in ran), default=began) - began, len(skip),
         StoreSet(stores).summary() if stores else {}, sum(r.empty_loss_mask for r in results),
         max((r.startup_seconds for r in ran), default=0.0), out, began,
         max((r.load_seconds for r in results), default=0.0), prepared.get("data_seconds", 0.0), tuple(results),
     )  # fmt: skip
+    return (
+        replace(summary, **{k: getattr(cut[0], k) for k in ("cut", "longest_cut", "limit", "limit_from")})
+        if cut
+        else summary
+    )
 
 
 def _shared_job(
@@ -566,11 +623,10 @@ def _shared_job(
     out = Path(options.out)
 
     def capture(engine: OfflineEngine, lock: StoreLock) -> ExtractSummary:
-        longest = shared.plan()
-        if longest is None:  # nothing to capture
+        if shared.plan() is None:  # nothing to capture
             return ExtractSummary(0, 0, 0.0, 0, {}, out=out)
         meta = {"data": str(data), **({"part": str(part)} if part else {}), "job": job}
-        return _capture(engine, options, out, lock, iter(shared), longest, meta, bar, 0)
+        return _capture(engine, options, out, lock, iter(shared), meta, bar, 0)
 
     return _with_engine(options, out, capture)
 
@@ -589,7 +645,8 @@ def _run(
     skip = done_keys(out)
     keep = part.owns if part is not None else None
     workers = options.tokenize_workers or tokenize_workers(data)
-    samples = list(load_samples(data, engine.tokenizer, options.max_length, skip, options.limit, keep, workers))
+    limit = sample_limit(options, model_dir(options))
+    samples = list(load_samples(data, engine.tokenizer, limit[0], skip, options.limit, keep, workers))
     if skip:
         print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
     if not samples:  # nothing left to capture: no producer, no consumer
@@ -597,10 +654,9 @@ def _run(
     batches = plan(options, samples)
     data_seconds = time.monotonic() - reading
     meta = {"data": str(data), **({"part": str(part)} if part else {})}
-    longest = max(len(s.input_ids) for s in samples)
     total = sum(len(s.input_ids) for s in samples)
-    summary = _capture(engine, options, out, lock, batches, longest, meta, bar, total, len(samples))
-    return replace(summary, skipped=len(skip), data_seconds=data_seconds)
+    summary = _capture(engine, options, out, lock, batches, meta, bar, total, len(samples))
+    return _cut(replace(summary, skipped=len(skip), data_seconds=data_seconds), samples, limit)
 
 
 def _capture(
@@ -609,14 +665,13 @@ def _capture(
     out: Path,
     lock: StoreLock,
     batches: Iterable[list[Sample]],
-    longest: int,
     meta: dict[str, Any],
     bar: BarFactory,
     total_tokens: int,
     total_samples: int | None = None,
 ) -> ExtractSummary:
-    """Start the consumer and the engine's producer, run ``batches`` (none longer than ``longest`` tokens per
-    sample; ``total_*``: what the bar counts to, if known), end the stream and check the store."""
+    """Start the consumer and the engine's producer, run ``batches`` (``total_*``: what the bar counts to, if
+    known), end the stream and check the store."""
     endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
     launched = time.monotonic()
     # The bar first: a job of --data-parallel asked to stop from here on stops at the bar's next update, once the
@@ -629,7 +684,7 @@ def _capture(
                 raise consumer_error(consumer.returncode, out, "; the engine was stopped")
 
         try:
-            engine.start(endpoint, meta, consumer_alive, longest)
+            engine.start(endpoint, meta, consumer_alive)
         except BaseException:  # e.g. Ctrl-C or SIGTERM while the consumer attaches: it finishes what it began
             engine.shutdown()
             consumer.terminate()

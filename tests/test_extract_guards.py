@@ -285,3 +285,43 @@ def test_sigterm_stops_extract_as_ctrl_c_does(tiny_model: Path, tmp_path: Path) 
     store = open_store(out)
     assert store.metadata()["runs"][-1]["end"] is not None, "the store's run was not finished"
     assert 0 < len(store.keys(complete_only=True)) < 400 and verify_store(out).ok
+
+
+def test_a_record_past_the_models_context_is_cut_and_sizes_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    """One record of ~100k tokens on the tiny model (context 2048): it is cut to 2048 tokens, counted in a warning,
+    and the ring is sized from --max-batch-tokens, not from the record (its rows go to the ring in several steps);
+    the stored rows are the model's own for the cut tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = write_jsonl(
+        tmp_path / "data.jsonl",
+        json.dumps({"id": "huge", "text": "the same few words again " * 20_000}) + "\n"
+        '{"id": "chat", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}\n',
+    )
+    out = tmp_path / "store"
+    status, stderr = cli_refusal(
+        "extract", "--model", tiny_model, "--data", data, "--out", out, "--max-batch-tokens", "512", "--no-progress"
+    )
+    assert status == 0, stderr
+    assert "warning: 1 sample longer than the model's context (2048 tokens) cut to 2048 tokens" in stderr, stderr
+    store = open_store(out)
+    config = store.metadata()["runs"][-1]["meta"]["config"]
+    assert config["max_step_rows"] == 512 and config["ring_bytes"] <= 64 << 20, config
+    huge = store.get("huge")
+    assert torch.equal(huge["positions"], torch.arange(2048))
+    ids = AutoTokenizer.from_pretrained(tiny_model)("the same few words again " * 20_000)["input_ids"][:2048]
+    assert huge["input_ids"].tolist() == ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    with torch.inference_mode():
+        states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(huge["layer_2"].float(), states[2][0].float(), rtol=0.02, atol=0.02)
+    torch.testing.assert_close(huge["last"].float(), states[-1][0].float(), rtol=0.02, atol=0.02)
+    assert store.record("chat")["status"] == "complete"
+
+
+def test_steps_split_a_batch_into_ring_steps_of_bounded_rows() -> None:
+    from hscapture.integrations.hf import steps
+
+    assert steps([3, 2], 8) == [(0, 5, [0, 1], [3, 2])]
+    assert steps([5, 6], 4) == [(0, 4, [0], [4]), (4, 8, [0, 1], [1, 3]), (8, 11, [1], [3])]
+    assert steps([8], 4) == [(0, 4, [0], [4]), (4, 8, [0], [4])]

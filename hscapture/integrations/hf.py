@@ -227,6 +227,30 @@ def load_model(model_dir: Path | None, dtype: str | None, device: str) -> tuple[
     return tokenizer, model, path
 
 
+def steps(lengths: Sequence[int], max_rows: int) -> list[tuple[int, int, list[int], list[int]]]:
+    """A batch's kept rows (requests' rows in order, ``lengths`` each) in ring steps of at most ``max_rows`` rows.
+
+    Returns:
+        Per step: its first and past-last kept row, the requests (indices into ``lengths``) whose rows it holds,
+        and how many of each; a request longer than ``max_rows`` spans several steps.
+    """
+    out: list[tuple[int, int, list[int], list[int]]] = []
+    begin, owners, counts = 0, [], []
+    for request, length in enumerate(lengths):
+        left = length
+        while left:
+            take = min(left, max_rows - sum(counts))
+            owners.append(request)
+            counts.append(take)
+            left -= take
+            if sum(counts) == max_rows:
+                out.append((begin, begin + max_rows, owners, counts))
+                begin, owners, counts = begin + max_rows, [], []
+    if counts:
+        out.append((begin, begin + sum(counts), owners, counts))
+    return out
+
+
 def kept_rows(attention_mask: torch.Tensor) -> torch.Tensor:
     """Flat indices of the real (non-padding) rows of a ``[B, T]`` batch, request by request."""
     return torch.nonzero(attention_mask.reshape(-1), as_tuple=True)[0]
@@ -365,11 +389,12 @@ class HFExtraction:
         self._batch_done: deque[torch.cuda.Event] = deque()
         self.kernels = AttentionKernels(self.model) if self.device.type == "cuda" else None
 
-    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None], longest: int) -> None:
-        """Start the producer, its ring sized for a batch of ``max_batch_tokens`` or one sample of ``longest``
-        tokens (a longer sample runs alone), and wait until the consumer on ``endpoint`` attached."""
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
+        """Start the producer, its ring sized for steps of ``max_batch_tokens`` rows (a batch of a longer sample,
+        which runs alone, goes to the ring in several steps: :func:`steps`), and wait until the consumer on
+        ``endpoint`` attached."""
         capture = self.capture
-        config = self.capture_config(endpoint, max(self.max_batch_tokens, longest))
+        config = self.capture_config(endpoint, self.max_batch_tokens)
         descriptions = describe(capture.layers, capture.capture_last, capture.num_layers)
         run_meta = {**self.meta, **meta}
         self.producer = Producer(config, tensor_descriptions=descriptions, meta=run_meta, watchdog=watchdog)
@@ -418,14 +443,17 @@ class HFExtraction:
         )
         rows = kept_rows(attention_mask)  # on the host: no device read
         self._wait_for_device()
-        self.producer.capture_step(
-            self.capture.collect(),
-            request_ids=[s.key for s in batch],
-            request_rows=lengths,
-            positions=torch.cat([torch.arange(n) for n in lengths]),
-            token_ids=input_ids.reshape(-1)[rows],
-            row_index=rows.to(self.device, non_blocking=True),
-        )
+        states, keys = self.capture.collect(), [s.key for s in batch]
+        positions, token_ids = torch.cat([torch.arange(n) for n in lengths]), input_ids.reshape(-1)[rows]
+        for begin, end, owners, counts in steps(lengths, self.max_batch_tokens):
+            self.producer.capture_step(
+                states,
+                request_ids=[keys[i] for i in owners],
+                request_rows=counts,
+                positions=positions[begin:end],
+                token_ids=token_ids[begin:end],
+                row_index=rows[begin:end].to(self.device, non_blocking=True),
+            )
         if self.device.type == "cuda":
             self._batch_done.append(torch.cuda.Event())
             self._batch_done[-1].record()
