@@ -380,14 +380,29 @@ def extract_report(options: ExtractOptions, summary: ExtractSummary) -> str:
     parts = f" ({store['parts']} parts)" if "parts" in store else ""
     return (
         f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
-        f"({summary.tokens_per_s:.0f} tok/s; the consumer took {summary.startup_seconds:.1f} s to start before); "
-        f"{summary.skipped} were already there\n"
+        f"({summary.tokens_per_s:.0f} tok/s); {summary.skipped} were already there\n"
         f"{_preparation(summary)}"
         f"store {where}{parts}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
         f"{store['rows']} rows, {counted(store['shards'], 'shard')}, {store['bytes'] / MiB:.1f} MiB, "
         f"{store['rows_dropped']} rows dropped\n"
         f"read it: python -c \"from hscapture import open_store; s = open_store('{options.out}'); "
-        'print(s.get(s.keys()[0]))"'
+        'print(s.get(s.keys()[0]))"' + _export_hint(options.out)
+    )
+
+
+def _export_hint(out: Path) -> str:
+    """The ``hscapture export`` commands for the trainers the store at ``out`` feeds ('' if it feeds none)."""
+    from hscapture.inspection import export_formats
+    from hscapture.store.collection import open_store
+
+    try:
+        formats = export_formats(open_store(out))
+    except (ValueError, HSCaptureError):
+        return ""
+    return "".join(
+        f"\nexport it: hscapture export {out} OUT --format {name}{' ' + v['flags'] if v['flags'] else ''}"
+        for name, v in formats.items()
+        if v["ok"]
     )
 
 
@@ -410,16 +425,23 @@ def _sigterm_as_ctrl_c() -> list[int]:
 def _preparation(summary: ExtractSummary) -> str:
     """What came before the capture (model load, data), per job when several ran side by side."""
     if not summary.jobs:
-        return f"before it: model loaded in {summary.load_seconds:.1f} s, data read in {summary.data_seconds:.1f} s\n"
+        return f"before it: {_before(summary)}\n" if summary.samples else "nothing left to capture: no model loaded\n"
     lines = []
     for job in summary.jobs:
         if job.samples:
             lines.append(
                 f"job {job.out.name if job.out else '?'}: {job.tokens} tokens in {job.seconds:.1f} s from "
-                f"+{job.started_at - summary.started_at:.1f} s ({job.tokens_per_s:.0f} tok/s); before it: model "
-                f"loaded in {job.load_seconds:.1f} s, data read in {job.data_seconds:.1f} s\n"
+                f"+{job.started_at - summary.started_at:.1f} s ({job.tokens_per_s:.0f} tok/s); before it: "
+                f"{_before(job)}\n"
             )
     return "".join(lines)
+
+
+def _before(summary: ExtractSummary) -> str:
+    return (
+        f"model loaded in {summary.load_seconds:.1f} s, data read in {summary.data_seconds:.1f} s, then "
+        f"{summary.startup_seconds:.1f} s waiting for the consumer to attach"
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:

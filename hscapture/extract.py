@@ -28,7 +28,6 @@ hold the part. ``hscapture.open_store(OUT)`` reads the stores as one dataset.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import subprocess
@@ -49,6 +48,7 @@ from hscapture.errors import HSCaptureError
 from hscapture.leftovers import dirs_removed_on_failure, files_of, remove_empty, undo_unrecorded
 from hscapture.parallel import Job, Shared, run_jobs
 from hscapture.partition import Part
+from hscapture.preflight import capture_note, sample_limit
 from hscapture.store.collection import StoreSet, is_store, named_job, named_part, part_dir, part_dirs
 from hscapture.store.files import StoreLock, group_id, lock_store, prepare_store_dir
 from hscapture.store.format import META_FILE, check_store_dtype
@@ -139,7 +139,8 @@ class ExtractSummary:
     store: dict[str, Any]
     #: Samples captured by this run whose loss mask is empty (no assistant turn: nothing to train on).
     empty_loss_mask: int = 0
-    #: From starting the consumer process to its attach (imports, ring, buffers): paid once per run.
+    #: Seconds the engine, once loaded and given its data, waited for the consumer to attach (the consumer process
+    #: starts as the model begins to load, so its own start-up mostly overlaps the load).
     startup_seconds: float = 0.0
     #: The store written: ``--out``, its part for a ``--shard`` job, ``--out`` (the set) for several jobs.
     out: Path | None = None
@@ -235,37 +236,6 @@ def wait_consumer(consumer: subprocess.Popen, timeout_s: float = 120.0) -> int:
     except subprocess.TimeoutExpired:
         consumer.kill()
         return consumer.wait()
-
-
-def model_context(model: Path, engine_args: Sequence[str] = ()) -> int | None:
-    """The most tokens the model at ``model`` takes in one sequence: SGLang's ``--context-length`` if given, else its
-    ``config.json``'s ``max_position_embeddings`` (of the text model, for a wrapper such as Kimi-K2.5); None if
-    neither says."""
-    for i, arg in enumerate(engine_args):
-        value = arg.split("=", 1)[1] if arg.startswith("--context-length=") else None
-        if arg == "--context-length" and i + 1 < len(engine_args):
-            value = engine_args[i + 1]
-        if value is not None and value.isdigit() and int(value) > 0:
-            return int(value)
-    try:
-        config = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for part in (config, config.get("text_config"), config.get("language_config")):
-        if isinstance(part, dict) and isinstance(part.get("max_position_embeddings"), int):
-            return part["max_position_embeddings"] if part["max_position_embeddings"] > 0 else None
-    return None
-
-
-def sample_limit(options: ExtractOptions, model: Path) -> tuple[int | None, str]:
-    """The most tokens a sample keeps (longer ones are cut to it), and what sets it: the model's context or
-    ``--max-length``, whichever is lower (None: neither is known)."""
-    context = model_context(model, options.sglang_args)
-    if options.max_length is not None and (context is None or options.max_length <= context):
-        return options.max_length, f"--max-length {options.max_length}"
-    if context is None:
-        return None, ""
-    return context, f"the model's context ({context} tokens)"
 
 
 def _cut(summary: ExtractSummary, samples: Sequence[Sample], limit: tuple[int | None, str]) -> ExtractSummary:
@@ -382,7 +352,8 @@ def extract(options: ExtractOptions, bar: BarFactory | None = None) -> ExtractSu
             out = out / part_dir(part)
             options = replace(options, out=out)
         show = bar or _tqdm_bar(options.progress)
-        return _with_engine(options, out, lambda engine, lock: _run(engine, options, out, data, part, lock, show))
+        job = _Single(options, out, data, part, show)
+        return _with_engine(options, out, job.capture, job.nothing_left, capture_note_of(options, out))
 
 
 def _tqdm_bar(show: bool) -> BarFactory:
@@ -390,10 +361,16 @@ def _tqdm_bar(show: bool) -> BarFactory:
 
 
 def _with_engine(
-    options: ExtractOptions, out: Path, capture: Callable[[OfflineEngine, StoreLock], ExtractSummary]
+    options: ExtractOptions,
+    out: Path,
+    capture: Callable[[OfflineEngine, subprocess.Popen], ExtractSummary],
+    nothing_left: Callable[[], ExtractSummary | None] = lambda: None,
+    note: str = "",
 ) -> ExtractSummary:
-    """Take the lock of the store at ``out``, load the engine, ``capture(engine, lock)``; release both. A failure
-    before a run was recorded removes what this made in ``out`` (:mod:`hscapture.leftovers`), under the lock."""
+    """One job's store at ``out``: take its lock; ``nothing_left()`` (a summary: nothing to capture, so no model loads);
+    start the consumer process and load the engine meanwhile (the consumer's start-up, its imports mostly, overlaps
+    the model's load); ``capture(engine, consumer)``; release them all. A failure before a run was recorded removes
+    what this made in ``out`` (:mod:`hscapture.leftovers`), under the lock, once the consumer is gone."""
     before = files_of(out)
     ensure_writable_dir(out, "--out")
     try:
@@ -402,20 +379,58 @@ def _with_engine(
         if before is None:
             remove_empty([out])
         raise
+    consumer: subprocess.Popen | None = None
     try:
         check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
+        early = nothing_left()
+        if early is not None:
+            undo_unrecorded(out, before)  # a store made only to find nothing to do is not left behind
+            return early
+        if note:
+            print(f"hscapture extract: {note}", file=sys.stderr, flush=True)
+        consumer = start_consumer(_endpoint(), options, lock)
+        _say(options, f"loading the model {model_dir(options)} ({options.engine} engine, {options.device})")
         loading = time.monotonic()
         engine = open_engine(options)
         load_seconds = time.monotonic() - loading
         try:
-            return replace(capture(engine, lock), load_seconds=load_seconds)
+            summary = capture(engine, consumer)
         finally:
             engine.shutdown()
+        if consumer.poll() is None:  # nothing was captured (e.g. a --data-parallel job given no batch)
+            _stop_consumer(consumer)
+            undo_unrecorded(out, before)
+        return replace(summary, load_seconds=load_seconds)
     except BaseException:
+        if consumer is not None:
+            _stop_consumer(consumer)
         undo_unrecorded(out, before)
         raise
     finally:
         lock.close()
+
+
+def _say(options: ExtractOptions, text: str) -> None:
+    """A phase of a long command, on stderr where its progress bar is (nothing without the bar)."""
+    if options.progress:
+        print(f"hscapture extract: {text} ...", file=sys.stderr, flush=True)
+
+
+def _endpoint() -> str:
+    """This process's extraction endpoint (one job per process)."""
+    return f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
+
+
+def _stop_consumer(consumer: subprocess.Popen) -> None:
+    """Stop the consumer as Ctrl-C does (it finishes what it began) and wait until it is gone."""
+    if consumer.poll() is None:
+        consumer.terminate()
+    wait_consumer(consumer, 30.0)
+
+
+def capture_note_of(options: ExtractOptions, out: Path) -> str:
+    """:func:`~hscapture.preflight.capture_note` for these options: what the store will hold and feed."""
+    return capture_note(model_dir(options), options.layers, options.capture_last, options.engine, out)
 
 
 def parse_split(options: ExtractOptions) -> tuple[Part | None, int]:
@@ -568,8 +583,12 @@ def _extract_shared(options: ExtractOptions, out: Path, part: Part | None, jobs:
         print(f"resuming {out}: {len(skip)} samples already captured, 0 to go", file=sys.stderr)
         return ExtractSummary(0, 0, 0.0, len(skip), StoreSet(earlier).summary(), out=out)
     prepared: dict[str, float] = {}
-    limit = sample_limit(options, options.model)
+    limit = sample_limit(options.max_length, options.model, options.sglang_args)
     cut: list[ExtractSummary] = []
+    note = capture_note_of(options, out)
+    if note:
+        print(f"hscapture extract: {note}", file=sys.stderr, flush=True)
+    _say(options, f"{jobs} jobs loading their models while this process reads and tokenizes {data}")
 
     def share(shared: Shared) -> None:
         from transformers import AutoTokenizer
@@ -622,75 +641,83 @@ def _shared_job(
     it takes from ``shared`` into its own store ``options.out``."""
     out = Path(options.out)
 
-    def capture(engine: OfflineEngine, lock: StoreLock) -> ExtractSummary:
+    def capture(engine: OfflineEngine, consumer: subprocess.Popen) -> ExtractSummary:
         if shared.plan() is None:  # nothing to capture
             return ExtractSummary(0, 0, 0.0, 0, {}, out=out)
         meta = {"data": str(data), **({"part": str(part)} if part else {}), "job": job}
-        return _capture(engine, options, out, lock, iter(shared), meta, bar, 0)
+        return _capture(engine, options, out, consumer, iter(shared), meta, bar, 0)
 
     return _with_engine(options, out, capture)
 
 
-def _run(
-    engine: OfflineEngine,
-    options: ExtractOptions,
-    out: Path,
-    data: Path,
-    part: Part | None,
-    lock: StoreLock,
-    bar: BarFactory,
-) -> ExtractSummary:
-    """One job alone: tokenize what its store lacks, plan and capture it."""
-    reading = time.monotonic()
-    skip = done_keys(out)
-    keep = part.owns if part is not None else None
-    workers = options.tokenize_workers or tokenize_workers(data)
-    limit = sample_limit(options, model_dir(options))
-    samples = list(load_samples(data, engine.tokenizer, limit[0], skip, options.limit, keep, workers))
-    if skip:
-        print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
-    if not samples:  # nothing left to capture: no producer, no consumer
-        return ExtractSummary(0, 0, 0.0, len(skip), open_store(out).summary() if skip else {}, out=out)
-    batches = plan(options, samples)
-    data_seconds = time.monotonic() - reading
-    meta = {"data": str(data), **({"part": str(part)} if part else {})}
-    total = sum(len(s.input_ids) for s in samples)
-    summary = _capture(engine, options, out, lock, batches, meta, bar, total, len(samples))
-    return _cut(replace(summary, skipped=len(skip), data_seconds=data_seconds), samples, limit)
+@dataclass
+class _Single:
+    """One job alone, writing ``out``: nothing to do on a rerun that finds every sample captured (checked on the
+    data's JSON, before any model or tokenizer loads); else tokenize what the store lacks, plan and capture it."""
+
+    options: ExtractOptions
+    out: Path
+    data: Path
+    part: Part | None
+    bar: BarFactory
+
+    def __post_init__(self) -> None:
+        self.keep = self.part.owns if self.part is not None else None
+        self.skip: set[str] = set()
+
+    def nothing_left(self) -> ExtractSummary | None:
+        self.skip = done_keys(self.out)
+        if _pending(self.options, self.data, self.skip, self.keep):
+            return None
+        if self.skip:
+            print(f"resuming {self.out}: {len(self.skip)} samples already captured, 0 to go", file=sys.stderr)
+        return ExtractSummary(
+            0, 0, 0.0, len(self.skip), open_store(self.out).summary() if self.skip else {}, out=self.out
+        )
+
+    def capture(self, engine: OfflineEngine, consumer: subprocess.Popen) -> ExtractSummary:
+        options, out, data, skip = self.options, self.out, self.data, self.skip
+        reading = time.monotonic()
+        workers = options.tokenize_workers or tokenize_workers(data)
+        limit = sample_limit(options.max_length, model_dir(options), options.sglang_args)
+        _say(options, f"reading and tokenizing {data}" + (f" ({workers} processes)" if workers > 1 else ""))
+        samples = list(load_samples(data, engine.tokenizer, limit[0], skip, options.limit, self.keep, workers))
+        if skip:
+            print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
+        batches = plan(options, samples)
+        data_seconds = time.monotonic() - reading
+        meta = {"data": str(data), **({"part": str(self.part)} if self.part else {})}
+        total = sum(len(s.input_ids) for s in samples)
+        summary = _capture(engine, options, out, consumer, batches, meta, self.bar, total, len(samples))
+        return _cut(replace(summary, skipped=len(skip), data_seconds=data_seconds), samples, limit)
 
 
 def _capture(
     engine: OfflineEngine,
     options: ExtractOptions,
     out: Path,
-    lock: StoreLock,
+    consumer: subprocess.Popen,
     batches: Iterable[list[Sample]],
     meta: dict[str, Any],
     bar: BarFactory,
     total_tokens: int,
     total_samples: int | None = None,
 ) -> ExtractSummary:
-    """Start the consumer and the engine's producer, run ``batches`` (``total_*``: what the bar counts to, if
-    known), end the stream and check the store."""
-    endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
+    """Start the engine's producer for ``consumer`` (started already), run ``batches`` (``total_*``: what the bar
+    counts to, if known), end the stream and check the store."""
     launched = time.monotonic()
     # The bar first: a job of --data-parallel asked to stop from here on stops at the bar's next update, once the
-    # consumer and the producer are up, and so finishes its store (stopped while they start, it killed the consumer).
+    # producer is up, and so finishes its store (stopped before, _with_engine stops the consumer, which finishes it).
     with bar(total_tokens) as progress:
-        consumer = start_consumer(endpoint, options, lock)
 
         def consumer_alive() -> None:
             if consumer.poll() is not None:
                 raise consumer_error(consumer.returncode, out, "; the engine was stopped")
 
-        try:
-            engine.start(endpoint, meta, consumer_alive)
-        except BaseException:  # e.g. Ctrl-C or SIGTERM while the consumer attaches: it finishes what it began
-            engine.shutdown()
-            consumer.terminate()
-            wait_consumer(consumer, 30.0)  # gone before anything it made is looked at
-            raise
+        progress.set_postfix_str("waiting for the consumer to attach")
+        engine.start(_endpoint(), meta, consumer_alive)
         started, started_at = time.monotonic(), time.time()
+        progress.set_postfix_str("capturing")
         samples = tokens = empty = 0
         ended = False
         try:
@@ -707,6 +734,7 @@ def _capture(
         finally:
             if not ended:
                 engine.shutdown()  # the consumer sees its producer end (or die) and finishes the store
+            progress.set_postfix_str(_status(samples, total_samples, None, None) + ", finishing the store")
             code = wait_consumer(consumer)
     seconds = time.monotonic() - started
     if code != 0:
