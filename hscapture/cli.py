@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import logging
 import os
@@ -15,13 +16,30 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hscapture.config import ConsumerConfig, MiB
 from hscapture.errors import HSCaptureError
-from hscapture.export import ExportOptions
-from hscapture.extract import ExtractOptions, ExtractSummary
-from hscapture.serve import ServeOptions
+
+if TYPE_CHECKING:
+    from hscapture.export import ExportOptions
+    from hscapture.extract import ExtractOptions, ExtractSummary
+
+#: Each command's options dataclass (module, class), imported only for the command that runs: ``consume``
+#: starts without importing extraction, export or serving.
+OPTIONS = {
+    "extract": ("hscapture.extract", "ExtractOptions"),
+    "consume": ("hscapture.config", "ConsumerConfig"),
+    "serve": ("hscapture.serve", "ServeOptions"),
+    "export": ("hscapture.export", "ExportOptions"),
+}
+
+
+def options_class(command: str) -> type:
+    """The options dataclass of ``command`` (see :data:`OPTIONS`)."""
+    module, name = OPTIONS[command]
+    return getattr(importlib.import_module(module), name)
+
 
 #: Old spellings still accepted, per command: old flag -> the flag to use.
 RENAMED = {"extract": {"--shard-size": "--shard-bytes"}}
@@ -191,7 +209,14 @@ KEYS_HELP = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line; with ``only``, the flags of that command alone (the others keep their names and help)."""
+
+    def flags(sub: argparse.ArgumentParser, command: str) -> None:
+        if only is None or only == command:
+            add_option_flags(sub, options_class(command))
+            _add_renamed(sub, command)
+
     parser = argparse.ArgumentParser(
         prog="hscapture", description="Capture per-layer hidden states from an LLM engine at almost no cost."
     )
@@ -204,8 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Offline bulk extraction. With no --model and no --data it uses an embedded tiny Llama "
         "and 200 demo conversations, so it runs anywhere without downloads.",
     )
-    add_option_flags(ext, ExtractOptions)
-    _add_renamed(ext, "extract")
+    flags(ext, "extract")
     ext.add_argument("sglang_args", nargs=argparse.REMAINDER, help="sglang: -- then more SGLang server arguments")
 
     con = commands.add_parser(
@@ -214,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The consumer process: attaches to a producer (also one started later or restarted), copies "
         "ring slots out, releases them, and writes shards. Stops cleanly on Ctrl-C.",
     )
-    add_option_flags(con, ConsumerConfig)
+    flags(con, "consume")
     con.add_argument("--quiet", action="store_true", help="print nothing but warnings (no stats lines)")
     con.add_argument("--stats-s", type=float, default=10.0, help="seconds between stats lines on stderr (default 10)")
     con.add_argument(
@@ -232,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and requests still in flight are marked incomplete.",
         usage="hscapture serve --out DIR [options] -- --model-path MODEL [sglang server args]",
     )
-    add_option_flags(srv, ServeOptions)
+    flags(srv, "serve")
     srv.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then SGLang server arguments")
 
     ver = commands.add_parser(
@@ -263,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         "as speculators' ArrowDataset reads them (aux layers then layer L, before the final norm). Samples with an "
         "empty loss mask are left out. Resumable: a rerun writes only what is missing.",
     )
-    add_option_flags(exp, ExportOptions)
+    flags(exp, "export")
 
     ins = commands.add_parser(
         "inspect",
@@ -304,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"hscapture bench: error: {exc}", file=sys.stderr)
             return 2
-    args = build_parser().parse_args(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command if command in OPTIONS else None).parse_args(argv)
     quiet = args.command in ("extract", "export", "inspect", "keys") or getattr(args, "quiet", False)
     level = logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -336,7 +361,7 @@ def _extract(args: argparse.Namespace) -> int:
     from hscapture.extract import extract
 
     args.sglang_args = _after_dashes(args.sglang_args)
-    options: ExtractOptions = options_from(ExtractOptions, args)
+    options: ExtractOptions = options_from(options_class("extract"), args)
     terminated = _sigterm_as_ctrl_c()
     try:
         summary = extract(options)
@@ -448,7 +473,7 @@ def _serve(args: argparse.Namespace) -> int:
     from hscapture.serve import serve
 
     sglang_args = _after_dashes(args.sglang_args)
-    return serve(options_from(ServeOptions, args), sglang_args)
+    return serve(options_from(options_class("serve"), args), sglang_args)
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -523,6 +548,12 @@ def _consume(args: argparse.Namespace) -> int:
         reporter.close()
     if not args.quiet:
         print(f"done: {stats.to_dict()}", file=sys.stderr)
+        if config.out_dir is not None:
+            print(
+                f"store {config.out_dir}: read it with hscapture.open_store('{config.out_dir}'); "
+                f"hscapture inspect {config.out_dir} summarizes it",
+                file=sys.stderr,
+            )
     return 1 if config.exit_on_eos and consumer.last_failure else 0  # its run ended in a capture failure (logged)
 
 
@@ -570,7 +601,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from hscapture.export import export
 
-    options: ExportOptions = options_from(ExportOptions, args)
+    options: ExportOptions = options_from(options_class("export"), args)
     try:
         summary = export(options)
     except KeyboardInterrupt:
@@ -604,8 +635,16 @@ def _export(args: argparse.Namespace) -> int:
             f"warning: {summary.empty_loss_mask} samples have an empty loss mask (nothing in them is trained on)"
         )
     lines.extend(f"warning: {options.store}: {problem}" for problem in summary.problems)
+    lines.append(TRAIN_ON[options.format].format(out=options.out))
     print("\n".join(lines))
     return 0
+
+
+#: How each trainer reads an export (the last line ``hscapture export`` prints).
+TRAIN_ON = {
+    "specforge": "train on it: SpecForge's offline EAGLE-3 training, data.hidden_states_path: {out}",
+    "speculators": "train on it: speculators' train.py --data-path {out}",
+}
 
 
 def _inspect(args: argparse.Namespace) -> int:

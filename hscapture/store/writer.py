@@ -210,8 +210,9 @@ class StoreWriter:
         self._threads_asked, self._buffers_asked = writer_threads, shard_buffers
         self.writer_threads, self.shard_buffers = self._sizes()
         self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
-        #: The writer threads' row checksums, compiled while no producer is attached yet (~1 s of a core).
-        self._compiled = self._pool.submit(crc_kernel)
+        # The writer threads' row checksums, compiled from now on (~1 s of a core; nothing waits for it but a shard
+        # written before it is done).
+        self._pool.submit(crc_kernel)
         self._free: queue.SimpleQueue[ShardBuffer] = queue.SimpleQueue()
         self._buffers_made = 0
         self._buffers_quantized = False
@@ -332,18 +333,27 @@ class StoreWriter:
         self._prepare(quantized)
 
     def _prepare(self, quantized: bool) -> None:
-        """Make the shard buffers missing, and have the writer threads' row checksums (and their quantizer)
-        compiled, now: not under the rows. The buffers are allocated on this thread (pinned memory is pinned
-        where the ring's copies are issued), then touched on the writer threads; the quantizer compiles on this
-        one (a writer thread waiting for the compiler's lock would touch nothing meanwhile)."""
+        """Make the shard buffers missing, without waiting for them: they are allocated on this thread (pinned
+        memory is pinned where the ring's copies are issued), then touched on the writer threads, each free for
+        rows once touched (a fresh page faults on its first write: never under the rows); the run's first rows
+        wait only for the first. The row checksums (compiling on a writer thread since the store opened) and the
+        quantizer compile meanwhile: a shard written before they are ready waits for them, the run's begin
+        never (it took seconds of a 2-core host's start-up, before the producer could send a row)."""
         run = self._require_run()
         fresh = [self._new_buffer(run) for _ in range(self.shard_buffers - self._buffers_made)]
-        touched = self._pool.map(touch, fresh)
+        if fresh:
+            self._pool.submit(self._touch_and_free, fresh)
         if self.fp8 and not quantized:
-            host_kernels()
-        for buffer in touched:
-            self._free.put(buffer)
-        self._compiled.result()
+            self._pool.submit(host_kernels)
+
+    def _touch_and_free(self, buffers: list[ShardBuffer]) -> None:
+        """Touch ``buffers`` one after another, each free for rows once touched (touched side by side, the first
+        would be ready only when all are)."""
+        for buffer in buffers:
+            try:
+                touch(buffer)
+            finally:  # untouched if it failed: slower first writes, never a buffer lost
+                self._free.put(buffer)
 
     def _sizes(self) -> tuple[int, int]:
         """Writer threads and shard buffers: as asked, else by how row planes go out now."""
@@ -355,7 +365,7 @@ class StoreWriter:
         since the last run; between runs nothing is written)."""
         threads, self.shard_buffers = self._sizes()
         if threads != self.writer_threads:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False)  # nothing is written between runs; a compile still running finishes
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hscapture-writer")
             self.writer_threads = threads
 
