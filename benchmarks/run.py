@@ -34,6 +34,7 @@ from hscapture.config import ensure_writable_dir  # noqa: E402
 
 #: Suite name -> module exposing ``SUITE``.
 SUITES: dict[str, str] = {
+    "consumer-start": "benchmarks.consumer_start",
     "extract": "benchmarks.extract_speed",
     "gpu": "benchmarks.gpu_serving",
     "parallel": "benchmarks.parallel_extract",
