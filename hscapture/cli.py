@@ -621,15 +621,6 @@ def _export(args: argparse.Namespace) -> int:
             f"{summary.skipped_empty_loss_mask} samples with an empty loss mask left out, nothing in them is trained "
             "on (--keep-empty-loss-mask exports them)"
         )
-    if summary.cut:
-        from hscapture.inspection import counted
-
-        print(
-            f"warning: {counted(summary.cut, 'sample')} longer than {summary.limit_from} cut to {summary.limit} tokens "
-            f"(the longest had {summary.longest_cut}); their later tokens are not in the store"
-            + ("" if summary.limit_from.startswith("--max-length") else "; --max-length sets a lower limit"),
-            file=sys.stderr,
-        )
     if summary.empty_loss_mask:
         lines.append(
             f"warning: {summary.empty_loss_mask} samples have an empty loss mask (nothing in them is trained on)"
