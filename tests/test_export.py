@@ -440,6 +440,9 @@ def test_export_cli_limit_and_progress(store_dir: Path, tmp_path: Path) -> None:
     assert "export specforge" in result.stderr and "3/3" in result.stderr  # the tqdm bar
     assert len(specforge_files(out)) == 3
     assert "wrote 3 samples, 0 were already there" in result.stdout
+    assert result.stdout.strip().endswith(
+        f"train on it: SpecForge's offline EAGLE-3 training, data.hidden_states_path: {out}"
+    )
 
 
 def fed_store(root: Path, trained: list[bool]) -> list[str]:
