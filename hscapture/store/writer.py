@@ -210,8 +210,8 @@ class StoreWriter:
         self._threads_asked, self._buffers_asked = writer_threads, shard_buffers
         self.writer_threads, self.shard_buffers = self._sizes()
         self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
-        # The writer threads' row checksums, compiled from now on (~1 s of a core; nothing waits for it but a shard
-        # written before it is done).
+        # The writer threads' row checksums, compiled from now on (~1 s of a core; nothing waits for it: shards
+        # written before it is done are checksummed by zlib, the same bits).
         self._pool.submit(crc_kernel)
         self._free: queue.SimpleQueue[ShardBuffer] = queue.SimpleQueue()
         self._buffers_made = 0
@@ -333,16 +333,18 @@ class StoreWriter:
         self._prepare(quantized)
 
     def _prepare(self, quantized: bool) -> None:
-        """Make the shard buffers missing, without waiting for them: they are allocated on this thread (pinned
-        memory is pinned where the ring's copies are issued), then touched on the writer threads, each free for
-        rows once touched (a fresh page faults on its first write: never under the rows); the run's first rows
-        wait only for the first. The row checksums (compiling on a writer thread since the store opened) and the
-        quantizer compile meanwhile: a shard written before they are ready waits for them, the run's begin
-        never (it took seconds of a 2-core host's start-up, before the producer could send a row)."""
+        """Make the shard buffers missing, and return once the first is ready for rows: they are allocated on this
+        thread (pinned memory is pinned where the ring's copies are issued) and touched (a fresh page faults on its
+        first write: never under the rows), the first here, the others one after another on a writer thread, each
+        free for rows once touched. The row checksums compile meanwhile, on a writer thread since the store
+        opened (shards written before are checksummed by zlib: the same bits, never a write held back), and so
+        does the quantizer where the writers quantize (their first shard waits for it). The run's begin waited
+        for all of it, seconds of a 2-core host's start-up before the producer could send a row."""
         run = self._require_run()
         fresh = [self._new_buffer(run) for _ in range(self.shard_buffers - self._buffers_made)]
         if fresh:
-            self._pool.submit(self._touch_and_free, fresh)
+            self._touch_and_free(fresh[:1])
+            self._pool.submit(self._touch_and_free, fresh[1:])
         if self.fp8 and not quantized:
             self._pool.submit(host_kernels)
 
