@@ -64,13 +64,11 @@ from hscapture.tiny import demo_conversations, ensure_tiny_model
 GOAL = 0.9
 LAYERS = "2,16,29"
 #: extract's tok/s line.
-RATE_LINE = re.compile(
-    r"captured (\d+) samples, (\d+) tokens in ([\d.]+) s \((\d+) tok/s; the consumer took ([\d.]+) s to start before\)"
-)
+RATE_LINE = re.compile(r"captured (\d+) samples, (\d+) tokens in ([\d.]+) s \((\d+) tok/s\)")
 #: extract's lines on what came before the capture: one, or one per job (``--data-parallel``).
 PREPARATION_LINE = re.compile(
     r"^(?:job (\S+): (\d+) tokens in ([\d.]+) s from \+([\d.]+) s \(\d+ tok/s\); )?before it: "
-    r"model loaded in ([\d.]+) s, data read in ([\d.]+) s$",
+    r"model loaded in ([\d.]+) s, data read in ([\d.]+) s, then ([\d.]+) s waiting for the consumer to attach$",
     re.M,
 )
 
@@ -256,7 +254,9 @@ def run_extract(model_dir: Path, data: Path, out: Path, device: str, options: li
         raise RuntimeError(f"hscapture extract failed ({done.returncode}): {done.stderr[-2000:]}")
     store = open_store(out)
     counters = (store.metadata()["runs"][-1].get("end") or {}).get("counters", {})
-    samples, tokens, seconds, rate, startup = match.groups()
+    samples, tokens, seconds, rate = match.groups()
+    preparation = [_preparation(found) for found in PREPARATION_LINE.finditer(done.stdout)]
+    startup = max((p["consumer_wait_seconds"] for p in preparation), default=0.0)  # what the capture waited
     return {
         "command": shlex.join(["hscapture", *command[3:]]),
         "samples": int(samples),
@@ -270,14 +270,14 @@ def run_extract(model_dir: Path, data: Path, out: Path, device: str, options: li
         "credit_waits": counters.get("credit_waits"),
         "credit_wait_s": round(counters.get("credit_wait_us", 0) / 1e6, 2),
         "store": store.summary(),
-        "preparation": [_preparation(found) for found in PREPARATION_LINE.finditer(done.stdout)],
+        "preparation": preparation,
     }
 
 
 def _preparation(found: re.Match[str]) -> dict[str, Any]:
     """One job's times: model load and data before its capture; for several jobs also its start and span."""
-    job, tokens, seconds, start, load, data = found.groups()
-    times = {"load_seconds": float(load), "data_seconds": float(data)}
+    job, tokens, seconds, start, load, data, wait = found.groups()
+    times = {"load_seconds": float(load), "data_seconds": float(data), "consumer_wait_seconds": float(wait)}
     if job is None:
         return times
     return {"job": job, "tokens": int(tokens), "seconds": float(seconds), "start_offset_s": float(start), **times}

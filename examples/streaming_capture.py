@@ -31,6 +31,12 @@ parser.add_argument("--batch", type=int, default=8, help="requests per batch")
 parser.add_argument("--new-tokens", type=int, default=32)
 args = parser.parse_args()
 
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+say("loading the embedded tiny Llama (built once under ~/.cache/hscapture) ...")
 model_dir = ensure_tiny_model()
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -44,11 +50,17 @@ config = CaptureConfig(
     endpoint=endpoint,
     max_step_rows=4096,
 )
+say(f"starting the consumer: hscapture consume --endpoint {endpoint} --out {args.out} ...")
 consumer = subprocess.Popen(consume_command(endpoint, args.out, "--exit-on-eos", "--quiet"))
 producer = Producer(config, tensor_descriptions=describe(layers, True), meta={"engine": "hf-greedy-loop"})
+waiting = time.monotonic()
 while not producer.attached:  # a real server would just start serving; here we want every row
     producer.poll()
     time.sleep(0.01)
+say(
+    f"the consumer attached after {time.monotonic() - waiting:.1f} s; "
+    f"serving {args.waves} waves of {args.batch} requests"
+)
 
 prompts = [c["messages"][:-1] for c in demo_conversations(args.waves * args.batch)]
 started, served = time.monotonic(), 0
@@ -59,7 +71,24 @@ with HFCapture(model, layers) as capture:
         keys = [f"wave{wave}-req{i}" for i in range(len(ids))]
         greedy_generate(model, capture, producer, ids, keys, args.new_tokens, tokenizer.pad_token_id)
         served += len(ids) * args.new_tokens
+        counters = producer.counters
+        say(
+            f"wave {wave + 1}/{args.waves}: {served} tokens served, {counters.rows_captured} rows captured, "
+            f"{counters.rows_dropped} dropped"
+        )
+say("ending the stream; the consumer finishes the store ...")
 counters = producer.close()
 consumer.wait(60)
-print(f"served {served} tokens in {time.monotonic() - started:.1f} s; producer counters: {counters.to_dict()}")
-print("store:", open_store(args.out).summary())
+seconds = time.monotonic() - started
+say(
+    f"served {served} tokens in {seconds:.1f} s; captured {counters.rows_captured} rows, dropped "
+    f"{counters.rows_dropped} (drop policy: serving never waited for the consumer)"
+)
+summary = open_store(args.out).summary()
+say(
+    f"store {args.out}: {summary['complete']} complete requests, {summary['rows']} rows, "
+    f"{summary['bytes'] / 2**20:.1f} MiB in {summary['shards']} shard(s)\n"
+    f"read it: python -c \"from hscapture import open_store; s = open_store('{args.out}'); "
+    'print(s.get(s.keys()[0]))"\n'
+    f"inspect it: hscapture inspect {args.out}"
+)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import logging
 import os
@@ -15,13 +16,30 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hscapture.config import ConsumerConfig, MiB, layer_spec
 from hscapture.errors import HSCaptureError
-from hscapture.export import ExportOptions
-from hscapture.extract import ExtractOptions, ExtractSummary
-from hscapture.serve import ServeOptions
+
+if TYPE_CHECKING:
+    from hscapture.export import ExportOptions
+    from hscapture.extract import ExtractOptions, ExtractSummary
+
+#: Each command's options dataclass (module, class), imported only for the command that runs: ``consume``
+#: starts without importing extraction, export or serving.
+OPTIONS = {
+    "extract": ("hscapture.extract", "ExtractOptions"),
+    "consume": ("hscapture.config", "ConsumerConfig"),
+    "serve": ("hscapture.serve", "ServeOptions"),
+    "export": ("hscapture.export", "ExportOptions"),
+}
+
+
+def options_class(command: str) -> type:
+    """The options dataclass of ``command`` (see :data:`OPTIONS`)."""
+    module, name = OPTIONS[command]
+    return getattr(importlib.import_module(module), name)
+
 
 #: Old spellings still accepted, per command: old flag -> the flag to use.
 RENAMED = {"extract": {"--shard-size": "--shard-bytes"}}
@@ -207,7 +225,14 @@ KEYS_HELP = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line; with ``only``, the flags of that command alone (the others keep their names and help)."""
+
+    def flags(sub: argparse.ArgumentParser, command: str) -> None:
+        if only is None or only == command:
+            add_option_flags(sub, options_class(command))
+            _add_renamed(sub, command)
+
     parser = argparse.ArgumentParser(
         prog="hscapture", description="Capture per-layer hidden states from an LLM engine at almost no cost."
     )
@@ -220,8 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Offline bulk extraction. With no --model and no --data it uses an embedded tiny Llama "
         "and 200 demo conversations, so it runs anywhere without downloads.",
     )
-    add_option_flags(ext, ExtractOptions)
-    _add_renamed(ext, "extract")
+    flags(ext, "extract")
     ext.add_argument("sglang_args", nargs=argparse.REMAINDER, help="sglang: -- then more SGLang server arguments")
 
     con = commands.add_parser(
@@ -230,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The consumer process: attaches to a producer (also one started later or restarted), copies "
         "ring slots out, releases them, and writes shards. Stops cleanly on Ctrl-C.",
     )
-    add_option_flags(con, ConsumerConfig)
+    flags(con, "consume")
     con.add_argument("--quiet", action="store_true", help="print nothing but warnings (no stats lines)")
     con.add_argument("--stats-s", type=float, default=10.0, help="seconds between stats lines on stderr (default 10)")
     con.add_argument(
@@ -248,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and requests still in flight are marked incomplete.",
         usage="hscapture serve --out DIR [options] -- --model-path MODEL [sglang server args]",
     )
-    add_option_flags(srv, ServeOptions)
+    flags(srv, "serve")
     srv.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then SGLang server arguments")
 
     ver = commands.add_parser(
@@ -279,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         "as speculators' ArrowDataset reads them (aux layers then layer L, before the final norm). Samples with an "
         "empty loss mask are left out. Resumable: a rerun writes only what is missing.",
     )
-    add_option_flags(exp, ExportOptions)
+    flags(exp, "export")
 
     ins = commands.add_parser(
         "inspect",
@@ -320,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"hscapture bench: error: {exc}", file=sys.stderr)
             return 2
-    args = build_parser().parse_args(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command if command in OPTIONS else None).parse_args(argv)
     quiet = args.command in ("extract", "export", "inspect", "keys") or getattr(args, "quiet", False)
     level = logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -352,10 +377,14 @@ def _extract(args: argparse.Namespace) -> int:
     from hscapture.extract import extract
 
     args.sglang_args = _after_dashes(args.sglang_args)
-    options: ExtractOptions = options_from(ExtractOptions, args)
+    options: ExtractOptions = options_from(options_class("extract"), args)
+    terminated = _sigterm_as_ctrl_c()
     try:
         summary = extract(options)
     except KeyboardInterrupt:
+        if terminated:
+            print(f"\nstopped (SIGTERM); run the same command again to resume into {options.out}", file=sys.stderr)
+            return 143
         print(f"\ninterrupted; run the same command again to resume into {options.out}", file=sys.stderr)
         return 130
     store = summary.store
@@ -363,19 +392,16 @@ def _extract(args: argparse.Namespace) -> int:
         split = f" in part {options.shard}" if options.shard is not None else ""
         print(f"nothing to capture: {options.data or 'the demo data'} has no samples{split}", file=sys.stderr)
         return 1
-    where = summary.out or options.out
-    parts = f" ({store['parts']} parts)" if "parts" in store else ""
-    print(
-        f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
-        f"({summary.tokens_per_s:.0f} tok/s; the consumer took {summary.startup_seconds:.1f} s to start before); "
-        f"{summary.skipped} were already there\n"
-        f"{_preparation(summary)}"
-        f"store {where}{parts}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
-        f"{store['rows']} rows, {store['shards']} shards, {store['bytes'] / MiB:.1f} MiB, "
-        f"{store['rows_dropped']} rows dropped\n"
-        f"read it: python -c \"from hscapture import open_store; s = open_store('{where}'); "
-        'print(s.get(s.keys()[0]))"'
-    )
+    print(extract_report(options, summary))
+    if summary.cut:
+        from hscapture.inspection import counted
+
+        print(
+            f"warning: {counted(summary.cut, 'sample')} longer than {summary.limit_from} cut to {summary.limit} tokens "
+            f"(the longest had {summary.longest_cut}); their later tokens are not in the store"
+            + ("" if summary.limit_from.startswith("--max-length") else "; --max-length sets a lower limit"),
+            file=sys.stderr,
+        )
     if summary.empty_loss_mask:
         print(
             f"warning: {summary.empty_loss_mask} of the {summary.samples} samples captured have an empty loss mask "
@@ -386,26 +412,84 @@ def _extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def extract_report(options: ExtractOptions, summary: ExtractSummary) -> str:
+    """What ``extract`` did, where its store is and how to read it (``--out``: every part there, as one)."""
+    from hscapture.inspection import counted
+
+    store = summary.store
+    where = summary.out or options.out
+    parts = f" ({store['parts']} parts)" if "parts" in store else ""
+    return (
+        f"captured {summary.samples} samples, {summary.tokens} tokens in {summary.seconds:.1f} s "
+        f"({summary.tokens_per_s:.0f} tok/s); {summary.skipped} were already there\n"
+        f"{_preparation(summary)}"
+        f"store {where}{parts}: {store['complete']} complete samples, {store['incomplete']} incomplete, "
+        f"{store['rows']} rows, {counted(store['shards'], 'shard')}, {store['bytes'] / MiB:.1f} MiB, "
+        f"{store['rows_dropped']} rows dropped\n"
+        f"read it: python -c \"from hscapture import open_store; s = open_store('{options.out}'); "
+        'print(s.get(s.keys()[0]))"' + _export_hint(options.out)
+    )
+
+
+def _export_hint(out: Path) -> str:
+    """The ``hscapture export`` commands for the trainers the store at ``out`` feeds ('' if it feeds none)."""
+    from hscapture.inspection import export_formats
+    from hscapture.store.collection import open_store
+
+    try:
+        formats = export_formats(open_store(out))
+    except (ValueError, HSCaptureError):
+        return ""
+    return "".join(
+        f"\nexport it: hscapture export {out} OUT --format {name}{' ' + v['flags'] if v['flags'] else ''}"
+        for name, v in formats.items()
+        if v["ok"]
+    )
+
+
+def _sigterm_as_ctrl_c() -> list[int]:
+    """Make SIGTERM stop this command as Ctrl-C does (KeyboardInterrupt: the store finished, the ring and sockets
+    removed), where it killed it and left them for the next run to reclaim. Returns a list that holds the signal
+    once it came; a second SIGTERM while the command cleans up is ignored (a supervisor escalates to SIGKILL)."""
+    came: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if came:
+            return
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    return came
+
+
 def _preparation(summary: ExtractSummary) -> str:
     """What came before the capture (model load, data), per job when several ran side by side."""
     if not summary.jobs:
-        return f"before it: model loaded in {summary.load_seconds:.1f} s, data read in {summary.data_seconds:.1f} s\n"
+        return f"before it: {_before(summary)}\n" if summary.samples else "nothing left to capture: no model loaded\n"
     lines = []
     for job in summary.jobs:
         if job.samples:
             lines.append(
                 f"job {job.out.name if job.out else '?'}: {job.tokens} tokens in {job.seconds:.1f} s from "
-                f"+{job.started_at - summary.started_at:.1f} s ({job.tokens_per_s:.0f} tok/s); before it: model "
-                f"loaded in {job.load_seconds:.1f} s, data read in {job.data_seconds:.1f} s\n"
+                f"+{job.started_at - summary.started_at:.1f} s ({job.tokens_per_s:.0f} tok/s); before it: "
+                f"{_before(job)}\n"
             )
     return "".join(lines)
+
+
+def _before(summary: ExtractSummary) -> str:
+    return (
+        f"model loaded in {summary.load_seconds:.1f} s, data read in {summary.data_seconds:.1f} s, then "
+        f"{summary.startup_seconds:.1f} s waiting for the consumer to attach"
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
     from hscapture.serve import serve
 
     sglang_args = _after_dashes(args.sglang_args)
-    return serve(options_from(ServeOptions, args), sglang_args)
+    return serve(options_from(options_class("serve"), args), sglang_args)
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -441,7 +525,8 @@ def _bench(suite_args: list[str]) -> int:
             f"no benchmarks/run.py beside {root / 'hscapture'}: the suites ship with the source checkout, not the "
             "package; git clone the repository, pip install -e '.[bench]' there, and run hscapture bench from it"
         )
-    return subprocess.call([sys.executable, str(script), *(suite_args or ["--help"])])
+    environment = {**os.environ, "HSCAPTURE_BENCH_PROG": "hscapture bench"}  # its usage lines name this command
+    return subprocess.call([sys.executable, str(script), *(suite_args or ["--help"])], env=environment)
 
 
 def _consume(args: argparse.Namespace) -> int:
@@ -479,6 +564,12 @@ def _consume(args: argparse.Namespace) -> int:
         reporter.close()
     if not args.quiet:
         print(f"done: {stats.to_dict()}", file=sys.stderr)
+        if config.out_dir is not None:
+            print(
+                f"store {config.out_dir}: read it with hscapture.open_store('{config.out_dir}'); "
+                f"hscapture inspect {config.out_dir} summarizes it",
+                file=sys.stderr,
+            )
     return 1 if config.exit_on_eos and consumer.last_failure else 0  # its run ended in a capture failure (logged)
 
 
@@ -526,7 +617,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from hscapture.export import export
 
-    options: ExportOptions = options_from(ExportOptions, args)
+    options: ExportOptions = options_from(options_class("export"), args)
     try:
         summary = export(options)
     except KeyboardInterrupt:
@@ -551,6 +642,7 @@ def _export(args: argparse.Namespace) -> int:
             f"warning: {summary.empty_loss_mask} samples have an empty loss mask (nothing in them is trained on)"
         )
     lines.extend(f"warning: {options.store}: {problem}" for problem in summary.problems)
+    lines.append(TRAIN_ON[options.format].format(out=options.out))
     print("\n".join(lines))
     if not summary.damaged:
         return 0
@@ -563,6 +655,13 @@ def _export(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+#: How each trainer reads an export (the last line ``hscapture export`` prints).
+TRAIN_ON = {
+    "specforge": "train on it: SpecForge's offline EAGLE-3 training, data.hidden_states_path: {out}",
+    "speculators": "train on it: speculators' train.py --data-path {out}",
+}
 
 
 def _inspect(args: argparse.Namespace) -> int:

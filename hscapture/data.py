@@ -50,11 +50,13 @@ class Sample:
         input_ids: Token ids, exactly what the model is run on.
         loss_mask: 1 for each token the assistant wrote (its end-of-turn token included, as the
             template emits it), 0 otherwise; same length as ``input_ids``.
+        cut: Tokens cut off its end to keep it within ``max_length`` (0: the whole record).
     """
 
     key: str
     input_ids: list[int]
     loss_mask: list[int]
+    cut: int = 0
 
     def __post_init__(self) -> None:
         """Catch a mask that does not line up with the ids, which would misalign every stored row."""
@@ -75,9 +77,9 @@ def read_records(path: Path | str) -> Iterator[tuple[int, dict[str, Any]]]:
         An iterator of ``(line_number, record)``, line numbers counted from 1; blank lines are skipped.
 
     Raises:
-        ValueError: If a line is not valid UTF-8, not valid JSON, not a JSON object, or holds a lone
-            UTF-16 surrogate (``"\\ud800"``, which no tokenizer can encode); the message names the file
-            and line.
+        ValueError: If a line is not valid UTF-8, not valid JSON (or nested too deep to decode), not a
+            JSON object, or holds a lone UTF-16 surrogate (``"\\ud800"``, which no tokenizer can encode);
+            the message names the file and line.
         FileNotFoundError: If ``path`` does not exist.
     """
     path = Path(path)
@@ -98,6 +100,11 @@ def read_records(path: Path | str) -> Iterator[tuple[int, dict[str, Any]]]:
                     f"{path}:{line_number}: invalid JSON: {e.msg} at column {e.colno}; "
                     "each line must hold exactly one JSON object"
                 ) from e
+            except RecursionError:  # the C decoder recurses per level of nesting
+                raise ValueError(
+                    f"{path}:{line_number}: invalid JSON: nested too deep for Python's decoder; "
+                    "flatten the record (a chat record nests a few levels)"
+                ) from None
             if not isinstance(record, dict):
                 raise ValueError(
                     f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}; "
@@ -271,7 +278,8 @@ def tokenize_record(
         tokenizer: A Hugging Face tokenizer; chat shapes need its ``chat_template``.
         index: 0-based position of the record in its file, for the default key ``sample-{index:08d}``.
         max_length: If given, ids and mask are cut to the first ``max_length`` tokens (the
-            assistant's later tokens are then simply absent); None keeps everything.
+            assistant's later tokens are then simply absent; ``Sample.cut`` says how many); None keeps
+            everything.
 
     Returns:
         The Sample.
@@ -315,9 +323,10 @@ def tokenize_record(
 
     if not input_ids:
         raise ValueError(f"record {key!r}: tokenizes to zero tokens; drop the record or give it some text")
-    if max_length is not None:
+    cut = max(0, len(input_ids) - max_length) if max_length is not None else 0
+    if cut:
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-    return Sample(key=key, input_ids=input_ids, loss_mask=loss_mask)
+    return Sample(key=key, input_ids=input_ids, loss_mask=loss_mask, cut=cut)
 
 
 def keyed_records(path: Path | str) -> Iterator[tuple[int, int, str, dict[str, Any]]]:

@@ -82,8 +82,12 @@ class ExportOptions:
     #: Also export samples whose loss mask is empty (nothing in them is trained on); by default
     #: they are left out and counted, as speculators' own data preparation drops them.
     keep_empty_loss_mask: bool = False
-    #: Export only the first this many samples of the store (complete ones, unless including incomplete).
+    #: Export at most this many samples: the first ones of the store the format takes (samples left out, e.g.
+    #: for an empty loss mask, do not count; those an earlier run exported into OUT do).
     limit: int | None = None
+    #: Let this group read the export (directory setgid 2750, files 0640); by default it is private to you
+    #: (0700, 0600), or shared as an existing export directory already is.
+    share_group: str | None = None
     #: Show a progress bar.
     progress: bool = True
 
@@ -137,16 +141,21 @@ def export(options: ExportOptions) -> ExportSummary:
     _refuse_selections(store, options.format)
     writer = _WRITERS[options.format]
     out = Path(options.out)
-    mode = prepare_store_dir(out, what="export directory")
+    mode = prepare_store_dir(out, options.share_group, what="export directory", option="OUT")
     manifest = _Manifest(out, {"format": options.format, "aux": tensors.aux, "final": tensors.final}, mode)
     summary = ExportSummary(aux=tensors.aux, final=tensors.final)
     if isinstance(store, StoreSet):
         summary.problems = store.problems
     keys = _eligible(store, options, summary)
-    for key in tqdm(keys, unit="sample", desc=f"export {options.format}", disable=not options.progress):
+    wanted = len(keys) if options.limit is None else min(options.limit, len(keys))
+    bar = tqdm(total=wanted, unit="sample", desc=f"export {options.format}", disable=not options.progress)
+    for key in keys:
+        if summary.kept + summary.written >= wanted:
+            break
         entry = manifest.entries.get(key)
         if entry is not None and (out / entry["file"]).exists():
             summary.kept += 1
+            bar.update()
             continue
         index = entry["index"] if entry is not None else len(manifest.entries)
         try:
@@ -167,6 +176,8 @@ def export(options: ExportOptions) -> ExportSummary:
         manifest.add({"index": index, "id": key, "rows": len(sample["input_ids"]), "file": str(path.relative_to(out))})
         summary.written += 1
         summary.empty_loss_mask += empty
+        bar.update()
+    bar.close()
     summary.total = len(manifest.entries)
     if writer.finish is not None:
         writer.finish(out, store, manifest, summary.written > 0, options.progress)
@@ -276,7 +287,7 @@ def _eligible(store: StoreLike, options: ExportOptions, summary: ExportSummary) 
             summary.skipped_incomplete += 1
             continue
         keys.append(key)
-    return keys if options.limit is None else keys[: options.limit]
+    return keys
 
 
 def _refuse_selections(store: StoreLike, format: str) -> None:
@@ -430,8 +441,8 @@ class _Manifest:
         found = {k: lines[0].get(k) for k in header}
         if found != header:
             raise ValueError(
-                f"--out: {self.path.parent} holds another export ({found}); this one is {header}. "
-                "Export into another --out directory"
+                f"OUT: {self.path.parent} holds another export ({found}); this one is {header}. "
+                "Export into another OUT directory"
             )
         for line in lines[1:]:
             self.entries[line["id"]] = line
@@ -455,7 +466,7 @@ class _Manifest:
         try:
             return [json.loads(line) for line in whole.splitlines()]
         except json.JSONDecodeError as exc:
-            raise StoreError(f"{self.path}: not JSON lines ({exc}); export into a new --out") from None
+            raise StoreError(f"{self.path}: not JSON lines ({exc}); export into a new OUT directory") from None
 
     def _append(self, record: dict[str, Any]) -> None:
         fd = open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "export manifest", self.mode)

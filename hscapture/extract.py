@@ -54,8 +54,10 @@ from hscapture.consumer import consume_command
 from hscapture.data import Sample, check_batching, keyed_records, load_samples, plan_batches, tokenize_workers
 from hscapture.errors import HSCaptureError
 from hscapture.inspection import capture_failure
+from hscapture.leftovers import dirs_removed_on_failure, files_of, remove_empty, undo_unrecorded
 from hscapture.parallel import Job, Shared, run_jobs
 from hscapture.partition import Part
+from hscapture.preflight import capture_note, sample_limit
 from hscapture.selection import Positions
 from hscapture.store.collection import StoreSet, is_store, named_job, named_part, part_dir, part_dirs
 from hscapture.store.files import StoreLock, group_id, lock_store, prepare_store_dir
@@ -90,7 +92,8 @@ class ExtractOptions:
     dtype: str | None = None
     #: Torch device to run the model on.
     device: str = "cpu"
-    #: Truncate samples to this many tokens.
+    #: Cut samples to this many tokens (default: the model's context, its config's max_position_embeddings); the
+    #: samples cut are counted and named in a warning.
     max_length: int | None = None
     #: Padded tokens per forward call.
     max_batch_tokens: int = 4096
@@ -151,7 +154,8 @@ class ExtractSummary:
     store: dict[str, Any]
     #: Samples captured by this run whose loss mask is empty (no assistant turn: nothing to train on).
     empty_loss_mask: int = 0
-    #: From starting the consumer process to its attach (imports, ring, buffers): paid once per run.
+    #: Seconds the engine, once loaded and given its data, waited for the consumer to attach (the consumer process
+    #: starts as the model begins to load, so its own start-up mostly overlaps the load).
     startup_seconds: float = 0.0
     #: The store written: ``--out``, its part for a ``--shard`` job, ``--out`` (the set) for several jobs.
     out: Path | None = None
@@ -162,6 +166,13 @@ class ExtractSummary:
     data_seconds: float = 0.0
     #: Several jobs (``--data-parallel``): each job's own summary, in job order (``data_seconds``: the parent's).
     jobs: tuple[ExtractSummary, ...] = ()
+    #: Samples of this run cut to ``limit`` tokens (longer than the model's context or ``--max-length``), and
+    #: the most tokens one of them had before.
+    cut: int = 0
+    longest_cut: int = 0
+    #: The most tokens a sample keeps, and what sets it (``the model's context``, ``--max-length``).
+    limit: int | None = None
+    limit_from: str = ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -176,9 +187,9 @@ class OfflineEngine(Protocol):
     #: Facts for the store's run line (engine, model, mode, ...).
     meta: dict[str, Any]
 
-    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None], longest: int) -> None:
-        """Start capturing to a consumer on ``endpoint``; ``watchdog`` raises if the consumer died; no sample
-        given to :meth:`run` is longer than ``longest`` tokens (the batches are :func:`plan`'s)."""
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
+        """Start capturing to a consumer on ``endpoint``; ``watchdog`` raises if the consumer died. Buffers are sized
+        from the engine's limits (e.g. ``--max-batch-tokens``), never from a sample."""
 
     def run(self, batch: list[Sample]) -> int:
         """Capture one batch; returns the tokens captured."""
@@ -229,12 +240,24 @@ def start_consumer(endpoint: str, options: ExtractOptions, lock: StoreLock) -> s
 
 
 def wait_consumer(consumer: subprocess.Popen, timeout_s: float = 120.0) -> int:
-    """The consumer's exit status, stopping it (it then finishes the store) if it outlives the timeout."""
+    """The consumer's exit status, stopping it (it then finishes the store) if it outlives the timeout, and
+    killing it if it outlives that too."""
     try:
         return consumer.wait(timeout_s)
     except subprocess.TimeoutExpired:
         consumer.terminate()
+    try:
         return consumer.wait(10)
+    except subprocess.TimeoutExpired:
+        consumer.kill()
+        return consumer.wait()
+
+
+def _cut(summary: ExtractSummary, samples: Sequence[Sample], limit: tuple[int | None, str]) -> ExtractSummary:
+    """``summary`` with the count of ``samples`` that were cut to the limit."""
+    cut = [s for s in samples if s.cut]
+    longest = max((len(s.input_ids) + s.cut for s in cut), default=0)
+    return replace(summary, cut=len(cut), longest_cut=longest, limit=limit[0], limit_from=limit[1])
 
 
 def check_options(options: ExtractOptions) -> Path:
@@ -255,6 +278,8 @@ def check_options(options: ExtractOptions) -> Path:
         )
     if options.limit is not None and options.limit < 1:
         raise ValueError(f"--limit: {options.limit}; give how many records of the data to capture (at least 1)")
+    if options.max_length is not None and options.max_length < 1:
+        raise ValueError(f"--max-length: {options.max_length}; give the most tokens a sample keeps (at least 1)")
     if options.tokenize_workers is not None and not 1 <= options.tokenize_workers <= 256:
         raise ValueError(f"--tokenize-workers: {options.tokenize_workers}; give 1 to 256 processes (1: none started)")
     if options.engine not in ENGINES:
@@ -338,17 +363,19 @@ def extract(options: ExtractOptions, bar: BarFactory | None = None) -> ExtractSu
     out = Path(options.out)
     part, jobs = parse_split(options)
     data = check_options(options)
-    ensure_writable_dir(out, "--out")
-    check_out_layout(out, part, jobs)
-    if jobs > 1:
-        prepare_store_dir(out, options.share_group, what="directory of parts")
-        return _extract_shared(options, out, part, jobs, data)
-    if part is not None:  # this job's store is its part of --out
-        prepare_store_dir(out, options.share_group, what="directory of parts")
-        out = ensure_writable_dir(out / part_dir(part), "--out")
-        options = replace(options, out=out)
-    show = bar or _tqdm_bar(options.progress)
-    return _with_engine(options, out, lambda engine, lock: _run(engine, options, out, data, part, lock, show))
+    with dirs_removed_on_failure(out):  # a refused run leaves no folder it made
+        ensure_writable_dir(out, "--out")
+        check_out_layout(out, part, jobs)
+        if jobs > 1:
+            prepare_store_dir(out, options.share_group, what="directory of parts")
+            return _extract_shared(options, out, part, jobs, data)
+        if part is not None:  # this job's store is its part of --out
+            prepare_store_dir(out, options.share_group, what="directory of parts")
+            out = out / part_dir(part)
+            options = replace(options, out=out)
+        show = bar or _tqdm_bar(options.progress)
+        job = _Single(options, out, data, part, show)
+        return _with_engine(options, out, job.capture, job.nothing_left, capture_note_of(options, out))
 
 
 def _tqdm_bar(show: bool) -> BarFactory:
@@ -356,20 +383,52 @@ def _tqdm_bar(show: bool) -> BarFactory:
 
 
 def _with_engine(
-    options: ExtractOptions, out: Path, capture: Callable[[OfflineEngine, StoreLock], ExtractSummary]
+    options: ExtractOptions,
+    out: Path,
+    capture: Callable[[OfflineEngine, subprocess.Popen], ExtractSummary],
+    nothing_left: Callable[[], ExtractSummary | None] = lambda: None,
+    note: str = "",
 ) -> ExtractSummary:
-    """Take the lock of the store at ``out``, load the engine, ``capture(engine, lock)``; release both."""
-    lock = lock_store(out, 1.0, prepare_store_dir(out, options.share_group))
+    """One job's store at ``out``: take its lock; ``nothing_left()`` (a summary: nothing to capture, so no model loads);
+    start the consumer process and load the engine meanwhile (the consumer's start-up, its imports mostly, overlaps
+    the model's load); ``capture(engine, consumer)``; release them all. A failure before a run was recorded removes
+    what this made in ``out`` (:mod:`hscapture.leftovers`), under the lock, once the consumer is gone."""
+    before = files_of(out)
+    ensure_writable_dir(out, "--out")
+    try:
+        lock = lock_store(out, 1.0, prepare_store_dir(out, options.share_group))
+    except BaseException:
+        if before is None:
+            remove_empty([out])
+        raise
+    consumer: subprocess.Popen | None = None
     try:
         check_store_dtype(out, store_dtype_name(options.store_dtype, "--store-dtype"))
         check_store_positions(out, options.positions)
+        early = nothing_left()
+        if early is not None:
+            undo_unrecorded(out, before)  # a store made only to find nothing to do is not left behind
+            return early
+        if note:
+            print(f"hscapture extract: {note}", file=sys.stderr, flush=True)
+        consumer = start_consumer(_endpoint(), options, lock)
+        _say(options, f"loading the model {model_dir(options)} ({options.engine} engine, {options.device})")
         loading = time.monotonic()
         engine = open_engine(options)
         load_seconds = time.monotonic() - loading
         try:
-            return replace(capture(engine, lock), load_seconds=load_seconds)
+            summary = capture(engine, consumer)
         finally:
             engine.shutdown()
+        if consumer.poll() is None:  # nothing was captured (e.g. a --data-parallel job given no batch)
+            _stop_consumer(consumer)
+            undo_unrecorded(out, before)
+        return replace(summary, load_seconds=load_seconds)
+    except BaseException:
+        if consumer is not None:
+            _stop_consumer(consumer)
+        undo_unrecorded(out, before)
+        raise
     finally:
         lock.close()
 
@@ -390,6 +449,29 @@ def check_store_positions(out: Path, positions: str) -> None:
             f"--positions {wanted}: the store at {out} holds samples captured with --positions {' and '.join(held)}; "
             f"give --positions {held[0]} to resume it, or write to another --out"
         )
+
+
+def _say(options: ExtractOptions, text: str) -> None:
+    """A phase of a long command, on stderr where its progress bar is (nothing without the bar)."""
+    if options.progress:
+        print(f"hscapture extract: {text} ...", file=sys.stderr, flush=True)
+
+
+def _endpoint() -> str:
+    """This process's extraction endpoint (one job per process)."""
+    return f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
+
+
+def _stop_consumer(consumer: subprocess.Popen) -> None:
+    """Stop the consumer as Ctrl-C does (it finishes what it began) and wait until it is gone."""
+    if consumer.poll() is None:
+        consumer.terminate()
+    wait_consumer(consumer, 30.0)
+
+
+def capture_note_of(options: ExtractOptions, out: Path) -> str:
+    """:func:`~hscapture.preflight.capture_note` for these options: what the store will hold and feed."""
+    return capture_note(model_dir(options), options.layers, options.capture_last, options.engine, out)
 
 
 def parse_split(options: ExtractOptions) -> tuple[Part | None, int]:
@@ -543,6 +625,12 @@ def _extract_shared(options: ExtractOptions, out: Path, part: Part | None, jobs:
         print(f"resuming {out}: {len(skip)} samples already captured, 0 to go", file=sys.stderr)
         return ExtractSummary(0, 0, 0.0, len(skip), StoreSet(earlier).summary(), out=out)
     prepared: dict[str, float] = {}
+    limit = sample_limit(options.max_length, options.model, options.sglang_args)
+    cut: list[ExtractSummary] = []
+    note = capture_note_of(options, out)
+    if note:
+        print(f"hscapture extract: {note}", file=sys.stderr, flush=True)
+    _say(options, f"{jobs} jobs loading their models while this process reads and tokenizes {data}")
 
     def share(shared: Shared) -> None:
         from transformers import AutoTokenizer
@@ -550,7 +638,8 @@ def _extract_shared(options: ExtractOptions, out: Path, part: Part | None, jobs:
         reading = time.monotonic()
         tokenizer = AutoTokenizer.from_pretrained(options.model)
         workers = options.tokenize_workers or tokenize_workers(data)
-        samples = list(load_samples(data, tokenizer, options.max_length, skip, options.limit, keep, workers))
+        samples = list(load_samples(data, tokenizer, limit[0], skip, options.limit, keep, workers))
+        cut.append(_cut(ExtractSummary(0, 0, 0.0, 0, {}), samples, limit))
         if skip:
             print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
         batches = plan(options, samples)
@@ -573,13 +662,18 @@ def _extract_shared(options: ExtractOptions, out: Path, part: Part | None, jobs:
     ran = [r for r in results if r.samples]
     began = min((r.started_at for r in ran), default=0.0)
     stores = run_stores(out, part)
-    return ExtractSummary(
+    summary = ExtractSummary(
         sum(r.samples for r in results), sum(r.tokens for r in results),
         max((r.started_at + r.seconds for r in ran), default=began) - began, len(skip),
         StoreSet(stores).summary() if stores else {}, sum(r.empty_loss_mask for r in results),
         max((r.startup_seconds for r in ran), default=0.0), out, began,
         max((r.load_seconds for r in results), default=0.0), prepared.get("data_seconds", 0.0), tuple(results),
     )  # fmt: skip
+    return (
+        replace(summary, **{k: getattr(cut[0], k) for k in ("cut", "longest_cut", "limit", "limit_from")})
+        if cut
+        else summary
+    )
 
 
 def _shared_job(
@@ -587,77 +681,85 @@ def _shared_job(
 ) -> ExtractSummary:
     """Job ``job`` of ``--data-parallel``, in its own process: load the engine at once, then capture the batches
     it takes from ``shared`` into its own store ``options.out``."""
-    out = ensure_writable_dir(Path(options.out), "--out")
+    out = Path(options.out)
 
-    def capture(engine: OfflineEngine, lock: StoreLock) -> ExtractSummary:
-        longest = shared.plan()
-        if longest is None:  # nothing to capture
+    def capture(engine: OfflineEngine, consumer: subprocess.Popen) -> ExtractSummary:
+        if shared.plan() is None:  # nothing to capture
             return ExtractSummary(0, 0, 0.0, 0, {}, out=out)
         meta = {"data": str(data), **({"part": str(part)} if part else {}), "job": job}
-        return _capture(engine, options, out, lock, iter(shared), longest, meta, bar, 0)
+        return _capture(engine, options, out, consumer, iter(shared), meta, bar, 0)
 
     return _with_engine(options, out, capture)
 
 
-def _run(
-    engine: OfflineEngine,
-    options: ExtractOptions,
-    out: Path,
-    data: Path,
-    part: Part | None,
-    lock: StoreLock,
-    bar: BarFactory,
-) -> ExtractSummary:
-    """One job alone: tokenize what its store lacks, plan and capture it."""
-    reading = time.monotonic()
-    skip = done_keys(out)
-    keep = part.owns if part is not None else None
-    workers = options.tokenize_workers or tokenize_workers(data)
-    samples = list(load_samples(data, engine.tokenizer, options.max_length, skip, options.limit, keep, workers))
-    if skip:
-        print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
-    if not samples:  # nothing left to capture: no producer, no consumer
-        return ExtractSummary(0, 0, 0.0, len(skip), open_store(out).summary() if skip else {}, out=out)
-    batches = plan(options, samples)
-    data_seconds = time.monotonic() - reading
-    meta = {"data": str(data), **({"part": str(part)} if part else {})}
-    longest = max(len(s.input_ids) for s in samples)
-    total = sum(len(s.input_ids) for s in samples)
-    summary = _capture(engine, options, out, lock, batches, longest, meta, bar, total, len(samples))
-    return replace(summary, skipped=len(skip), data_seconds=data_seconds)
+@dataclass
+class _Single:
+    """One job alone, writing ``out``: nothing to do on a rerun that finds every sample captured (checked on the
+    data's JSON, before any model or tokenizer loads); else tokenize what the store lacks, plan and capture it."""
+
+    options: ExtractOptions
+    out: Path
+    data: Path
+    part: Part | None
+    bar: BarFactory
+
+    def __post_init__(self) -> None:
+        self.keep = self.part.owns if self.part is not None else None
+        self.skip: set[str] = set()
+
+    def nothing_left(self) -> ExtractSummary | None:
+        self.skip = done_keys(self.out)
+        if _pending(self.options, self.data, self.skip, self.keep):
+            return None
+        if self.skip:
+            print(f"resuming {self.out}: {len(self.skip)} samples already captured, 0 to go", file=sys.stderr)
+        return ExtractSummary(
+            0, 0, 0.0, len(self.skip), open_store(self.out).summary() if self.skip else {}, out=self.out
+        )
+
+    def capture(self, engine: OfflineEngine, consumer: subprocess.Popen) -> ExtractSummary:
+        options, out, data, skip = self.options, self.out, self.data, self.skip
+        reading = time.monotonic()
+        workers = options.tokenize_workers or tokenize_workers(data)
+        limit = sample_limit(options.max_length, model_dir(options), options.sglang_args)
+        _say(options, f"reading and tokenizing {data}" + (f" ({workers} processes)" if workers > 1 else ""))
+        samples = list(load_samples(data, engine.tokenizer, limit[0], skip, options.limit, self.keep, workers))
+        if skip:
+            print(f"resuming {out}: {len(skip)} samples already captured, {len(samples)} to go", file=sys.stderr)
+        batches = plan(options, samples)
+        data_seconds = time.monotonic() - reading
+        meta = {"data": str(data), **({"part": str(self.part)} if self.part else {})}
+        total = sum(len(s.input_ids) for s in samples)
+        summary = _capture(engine, options, out, consumer, batches, meta, self.bar, total, len(samples))
+        return _cut(replace(summary, skipped=len(skip), data_seconds=data_seconds), samples, limit)
 
 
 def _capture(
     engine: OfflineEngine,
     options: ExtractOptions,
     out: Path,
-    lock: StoreLock,
+    consumer: subprocess.Popen,
     batches: Iterable[list[Sample]],
-    longest: int,
     meta: dict[str, Any],
     bar: BarFactory,
     total_tokens: int,
     total_samples: int | None = None,
 ) -> ExtractSummary:
-    """Start the consumer and the engine's producer, run ``batches`` (none longer than ``longest`` tokens per
-    sample; ``total_*``: what the bar counts to, if known), end the stream and check the store."""
-    endpoint = f"ipc:///tmp/hscapture-{os.getuid()}/extract-{os.getpid()}"
+    """Start the engine's producer for ``consumer`` (started already), run ``batches`` (``total_*``: what the bar
+    counts to, if known), end the stream and check the store."""
     launched = time.monotonic()
     # The bar first: a job of --data-parallel asked to stop from here on stops at the bar's next update, once the
-    # consumer and the producer are up, and so finishes its store (stopped while they start, it killed the consumer).
+    # producer is up, and so finishes its store (stopped before, _with_engine stops the consumer, which finishes it).
     with bar(total_tokens) as progress:
-        consumer = start_consumer(endpoint, options, lock)
 
         def consumer_alive() -> None:
             if consumer.poll() is not None:
                 raise consumer_error(consumer.returncode, out, "; the engine was stopped")
 
-        try:
-            engine.start(endpoint, meta, consumer_alive, longest)
-        except BaseException:
-            consumer.kill()
-            raise
+        progress.set_postfix_str("waiting for the consumer to attach")
+        engine.start(_endpoint(), meta, consumer_alive)
         started, started_at = time.monotonic(), time.time()
+        progress.set_postfix_str("capturing")
         samples = tokens = empty = 0
         ended = False
         try:
@@ -674,6 +776,7 @@ def _capture(
         finally:
             if not ended:
                 engine.shutdown()  # the consumer sees its producer end (or die) and finishes the store
+            progress.set_postfix_str(_status(samples, total_samples, None, None) + ", finishing the store")
             code = wait_consumer(consumer)
     seconds = time.monotonic() - started
     if code != 0:

@@ -8,6 +8,7 @@ part, the keys held by two parts and the set's other problems.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import stat
 import time
@@ -23,6 +24,39 @@ from hscapture.store.reader import Store
 
 #: Capture-config keys not worth a person's attention in the text view (the JSON has them all).
 _QUIET_CONFIG = ("endpoint", "token", "block_timeout_s")
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 shard``, ``2 shards``, ``1,024 samples``: a count and its noun, plural unless one."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def export_formats(store: Any, num_layers: int | None = None) -> dict[str, dict[str, Any]]:
+    """Whether ``store`` exports to each format of ``hscapture export`` as it is: per format ``{"ok": True,
+    "flags": ...}`` (the export options it needs, e.g. ``--aux-layers 2,16,29``, or ``""``) or ``{"ok": False,
+    "why": ...}`` (export's own refusal: the tensor missing and the capture that makes it).
+
+    ``store`` is a store or set of parts, or anything with their ``tensor_names`` and ``root`` (and ``metadata()``
+    when ``num_layers``, the model's decoder layer count, is not given).
+    """
+    from hscapture.config import eagle3_default_layers
+    from hscapture.export import FORMATS, SPECFORGE_AUX, _recorded_num_layers, choose_tensors
+
+    total = num_layers if num_layers is not None else _recorded_num_layers(store)
+    formats: dict[str, dict[str, Any]] = {}
+    for name in FORMATS:
+        try:
+            choose_tensors(store, name, None, total)
+            formats[name] = {"ok": True, "flags": ""}
+        except ValueError as exc:
+            formats[name] = {"ok": False, "why": str(exc)}
+        if name == "specforge" and not formats[name]["ok"] and total is not None:
+            eagle = eagle3_default_layers(total)  # more than three captured: EAGLE-3's three, picked at export
+            if len(eagle) == SPECFORGE_AUX and {f"layer_{k}" for k in eagle} <= set(store.tensor_names):
+                with contextlib.suppress(ValueError):
+                    choose_tensors(store, name, eagle, total)
+                    formats[name] = {"ok": True, "flags": f"--aux-layers {','.join(map(str, eagle))}"}
+    return formats
 
 
 def inspect_store(path: str | Path | Sequence[str | Path], max_listed: int = 10) -> dict[str, Any]:
@@ -78,8 +112,19 @@ def inspect_store(path: str | Path | Sequence[str | Path], max_listed: int = 10)
         "engine": latest.get("engine"),
         "model": latest.get("model"),
         "capture": latest.get("config", {}),
+        "exports": _exports(store),
         **(_set_report(store, max_listed) if isinstance(store, StoreSet) else {}),
     }
+
+
+def _exports(store: Store | StoreSet) -> dict[str, dict[str, Any]]:
+    """:func:`export_formats` of the store, or each format's refusal when its runs disagree on the model."""
+    try:
+        return export_formats(store)
+    except ValueError as exc:  # e.g. runs of models with different layer counts
+        from hscapture.export import FORMATS
+
+        return {name: {"ok": False, "why": str(exc)} for name in FORMATS}
 
 
 def _set_report(store: StoreSet, max_listed: int) -> dict[str, Any]:
@@ -138,7 +183,7 @@ def format_inspection(report: dict[str, Any]) -> str:
         *_selection_lines(report),
         f"shared     {report['rows_shared']:,} rows served by reference to a donor's rows "
         f"({report['requests_sharing']:,} requests; ~{report['bytes_shared'] / MiB:,.1f} MiB not stored twice)",
-        f"disk       {report['bytes'] / MiB:,.1f} MiB in {report['shards']:,} shards "
+        f"disk       {report['bytes'] / MiB:,.1f} MiB in {counted(report['shards'], 'shard')} "
         f"({report['bytes_on_disk'] / MiB:,.1f} MiB in the directory)",
         f"drops      {dropped:,} rows dropped by the producer"
         + (f" ({report['requests_with_drops']:,} requests lost rows)" if dropped else ""),
@@ -146,6 +191,11 @@ def format_inspection(report: dict[str, Any]) -> str:
     capture = {k: v for k, v in report["capture"].items() if k not in _QUIET_CONFIG}
     if capture:
         lines.append("capture    " + ", ".join(f"{k}={v}" for k, v in capture.items()))
+    for i, (name, verdict) in enumerate(report.get("exports", {}).items()):
+        how = f"yes: hscapture export {report['store']} OUT --format {name}" + (
+            f" {verdict['flags']}" if verdict["ok"] and verdict["flags"] else ""
+        )
+        lines.append(f"{'exports' if i == 0 else '':<10} {name}: {how if verdict['ok'] else 'no: ' + verdict['why']}")
     lines.append(f"runs       {report['runs_total']}")
     for run in report["runs"]:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["time"])) if run["time"] else "?"
@@ -161,7 +211,7 @@ def format_inspection(report: dict[str, Any]) -> str:
     for part in parts or ():
         lines.append(
             f"  {part['store']}: {part['requests']:,} requests ({part['complete']:,} complete), "
-            f"{part['rows']:,} tokens, {part['shards']:,} shards, {part['bytes'] / MiB:,.1f} MiB"
+            f"{part['rows']:,} tokens, {counted(part['shards'], 'shard')}, {part['bytes'] / MiB:,.1f} MiB"
         )
     for duplicate in report.get("duplicate_keys", []):
         lines.append(f"  duplicate {duplicate['id']!r} in {' and '.join(duplicate['parts'])}")

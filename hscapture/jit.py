@@ -23,12 +23,16 @@ _built: dict[Callable[..., Any], Any] = {}
 _missing_said = False
 
 
-def compiled(build: Callable[[Any], T | None]) -> T | None:
+def compiled(build: Callable[[Any], T | None], wait: bool = True) -> T | None:
     """``build(numba)``, once per process (threads wait for the first caller); None without numba.
 
-    ``build`` may itself return None (e.g. the CPU lacks an instruction it needs).
+    ``build`` may itself return None (e.g. the CPU lacks an instruction it needs). With ``wait=False``: what
+    was built already, else None at once (neither compiling nor waiting for a compile under way), for a caller
+    with a path that gives the same bits meanwhile.
     """
     global _missing_said
+    if not wait:
+        return _built.get(build)
     with _lock:
         if build not in _built:
             try:

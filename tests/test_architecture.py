@@ -16,7 +16,13 @@ PACKAGE = ROOT / "hscapture"
 #: its own group; nothing else.
 TIERS: list[tuple[str, dict[str, list[str]]]] = [
     ("commands", {"cli": ["hscapture.cli", "hscapture.__main__"]}),
-    ("jobs", {"extract": ["hscapture.extract", "hscapture.parallel"], "serve": ["hscapture.serve"]}),
+    (
+        "jobs",
+        {
+            "extract": ["hscapture.extract", "hscapture.parallel", "hscapture.preflight", "hscapture.leftovers"],
+            "serve": ["hscapture.serve"],
+        },
+    ),
     (
         "engines",
         {

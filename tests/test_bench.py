@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -211,6 +212,34 @@ def test_a_suite_refuses_a_work_dir_it_cannot_create(tmp_path: Path, suite: tupl
     assert "--work-dir: " in done.stderr and "a-file/work' is not writable" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_a_smoke_run_leaves_the_checkouts_results_and_readme_alone(tmp_path: Path) -> None:
+    """``--tiny`` is offered as runnable anywhere: by default it writes into a fresh temporary directory and no
+    README; named destinations are honoured; a full run writes the checkout's results and README."""
+    from benchmarks import run
+
+    parser = run.build_parser()
+    for suite in ("gpu", "extract", "parallel", "read"):
+        results, readme = run.destinations(parser.parse_args([suite, "--tiny"]))
+        assert results.is_dir() and not list(results.iterdir()) and readme is None, suite
+        assert not results.resolve().is_relative_to(ROOT), suite
+        results.rmdir()
+    named = parser.parse_args(["read", "--tiny", "--results-dir", str(tmp_path), "--readme", str(tmp_path / "R.md")])
+    assert run.destinations(named) == (tmp_path, tmp_path / "R.md")
+    assert run.destinations(parser.parse_args(["read"])) == (report.RESULTS, report.README)
+
+
+def test_the_readmes_list_every_suite_run_py_has() -> None:
+    """``run.py --help``, the README's list of suites and benchmarks/README.md's table name the same suites."""
+    from benchmarks import run
+
+    listed = (ROOT / "README.md").read_text().split("lists the suites:")[1].split(".")[0]
+    assert sorted(re.findall(r"`([\w-]+)`", listed)) == sorted(run.SUITES)
+    table = (ROOT / "benchmarks" / "README.md").read_text()
+    assert sorted(re.findall(r"\*\*suite `([\w-]+)`\*\*", table)) == sorted(run.SUITES)
+    usage = run.build_parser().format_help()
+    assert all(name in usage for name in run.SUITES)
 
 
 def test_update_readme_leaves_a_readme_without_markers_alone(tmp_path: Path) -> None:

@@ -121,13 +121,14 @@ def test_one_shard_size_flag_everywhere_and_the_old_spelling_still_works(capsys:
 
 
 def test_bench_runs_the_checkouts_run_py_in_its_own_process() -> None:
+    """In its own process, and its usage lines name the command the user typed (not benchmarks/run.py)."""
     probe = (
         "import sys; from hscapture.cli import main; code = main(['bench', 'gpu', '--help']); "
         "print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'benchmarks'))"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "usage: benchmarks/run.py gpu" in done.stdout and done.stdout.strip().endswith("0 []")
+    assert "usage: hscapture bench gpu" in done.stdout and done.stdout.strip().endswith("0 []")
 
 
 def test_bench_without_a_source_checkout_says_where_the_suites_are(tmp_path: Path) -> None:
@@ -144,3 +145,19 @@ def test_bench_without_a_source_checkout_says_where_the_suites_are(tmp_path: Pat
     assert done.returncode == 2
     assert f"no benchmarks/run.py beside {tmp_path / 'hscapture'}" in done.stderr
     assert "ship with the source checkout" in done.stderr and "git clone" in done.stderr
+
+
+def test_extract_report_counts_shards_and_reads_the_out_folder() -> None:
+    """``1 shard``, not ``1 shards``; after ``--shard 0/2`` the read-it line opens --out (every part there, as
+    one dataset), not the part's own folder."""
+    from hscapture.cli import extract_report
+    from hscapture.extract import ExtractSummary
+
+    store = {"complete": 3, "incomplete": 0, "rows": 40, "shards": 1, "bytes": 1 << 20, "rows_dropped": 0}
+    summary = ExtractSummary(3, 40, 1.0, 0, store, out=Path("/data/hs/part-0-of-2"))
+    text = extract_report(ExtractOptions(out=Path("/data/hs"), shard="0/2"), summary)
+    assert "store /data/hs/part-0-of-2: 3 complete samples" in text and "40 rows, 1 shard, 1.0 MiB" in text
+    assert "open_store('/data/hs')" in text and "open_store('/data/hs/part-0-of-2')" not in text
+    assert ", 2 shards," in extract_report(
+        ExtractOptions(out=Path("/s")), ExtractSummary(3, 40, 1.0, 0, {**store, "shards": 2})
+    )

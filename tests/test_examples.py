@@ -101,6 +101,11 @@ def test_streaming_capture_example(tmp_path: Path) -> None:
         "examples/streaming_capture.py", "--out", out, "--waves", "2", "--batch", "4", "--new-tokens", "8"
     )
     assert "served 64 tokens" in result.stdout
+    lines = result.stdout.splitlines()  # it says what it does as it goes, and ends saying where the store is
+    assert lines[0].startswith("loading the embedded tiny Llama") and "wave 2/2: 64 tokens served" in result.stdout
+    assert lines[-3].startswith(f"store {out}: 8 complete requests") and "{" not in result.stdout
+    assert lines[-2].startswith(f"read it: python -c \"from hscapture import open_store; s = open_store('{out}')")
+    assert lines[-1] == f"inspect it: hscapture inspect {out}"
     keys = [f"wave{w}-req{i}" for w in range(2) for i in range(4)]
     check_complete_store(out, keys, ["layer_2", "layer_4", "layer_5", "last"])  # layers = (2, 4, 5) in the script
     store = open_store(out)

@@ -8,13 +8,16 @@ tests skip (naming the install command); the rest check the files themselves.
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import stat
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from packaging.requirements import Requirement
@@ -28,7 +31,9 @@ from hscapture import open_store
 from hscapture.data import load_samples, pad_batch, padded_length, plan_batches
 from hscapture.export import MANIFEST, ExportOptions, export
 from hscapture.extract import ExtractOptions, extract
+from hscapture.store.writer import StoreWriter
 from hscapture.tiny import write_demo_jsonl
+from tests.storefeed import Feed, make_layout, make_request
 from tests.trainer_readers import (
     require,
     specforge_batches,
@@ -329,12 +334,9 @@ def test_layer_L_is_the_final_norms_input(store_dir: Path, demo_data: Path, tiny
 def test_export_resumes_and_reruns_write_nothing(store_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "resumed"
     trained = trained_keys(store_dir)
-    keys = open_store(store_dir).keys()
-    first_five = [key for key in keys[:5] if key in trained]  # --limit counts samples of the store
-    assert len(first_five) >= 3
+    first_five = trained[:5]  # --limit counts exported samples
     first = export(ExportOptions(store_dir, out, "speculators", limit=5, progress=False))
     assert (first.written, first.kept, first.total) == (len(first_five), 0, len(first_five))
-    assert first.skipped_empty_loss_mask == 5 - len(first_five)
     assert speculators_table(out) == len(first_five)
     # A crash mid-export: the manifest's last line torn, one finished file never recorded, one file gone.
     manifest = out / MANIFEST
@@ -364,10 +366,10 @@ def test_export_resumes_and_reruns_write_nothing(store_dir: Path, tmp_path: Path
 def test_export_refuses_another_kind_of_export_in_the_same_out(store_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "mixed"
     first = export(ExportOptions(store_dir, out, "specforge", limit=2, progress=False))
-    with pytest.raises(ValueError, match=r"--out: .* holds another export.*Export into another --out"):
+    with pytest.raises(ValueError, match=r"OUT: .* holds another export.*Export into another OUT directory"):
         export(ExportOptions(store_dir, out, "specforge", aux_layers=(2, 4), any_aux_count=True, progress=False))
     result = run_cli("export", store_dir, out, "--format", "speculators")
-    assert result.returncode == 2 and "holds another export" in result.stderr
+    assert result.returncode == 2 and "holds another export" in result.stderr and "--out" not in result.stderr
     assert len(specforge_files(out)) == first.written
 
 
@@ -436,9 +438,56 @@ def test_export_cli_limit_and_progress(store_dir: Path, tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "export specforge" in result.stderr and "3/3" in result.stderr  # the tqdm bar
-    written = len([key for key in open_store(store_dir).keys()[:3] if key in trained_keys(store_dir)])
-    assert len(specforge_files(out)) == written
-    assert f"wrote {written} samples, 0 were already there" in result.stdout
+    assert len(specforge_files(out)) == 3
+    assert "wrote 3 samples, 0 were already there" in result.stdout
+    assert result.stdout.strip().endswith(
+        f"train on it: SpecForge's offline EAGLE-3 training, data.hidden_states_path: {out}"
+    )
+
+
+def fed_store(root: Path, trained: list[bool]) -> list[str]:
+    """A store fed directly (no model): EAGLE-3's aux layers of an 8-layer model and ``last``, one sample per
+    entry of ``trained`` (False: an empty loss mask), in store order; returns the keys."""
+    names = ["layer_2", "layer_4", "layer_5", "last"]
+    writer = StoreWriter(root, shard_bytes=1 << 20)
+    run_id, geometry, _ = make_layout(names=names, descriptions=names)
+    writer.begin_run(run_id, geometry, {"config": {"num_layers": 8}})
+    rng = np.random.default_rng(0)
+    keys = [f"s{i}" for i in range(len(trained))]
+    feed = Feed(writer, {key: make_request(6, "float32", rng, len(names)) for key in keys})
+    for key, loss in zip(keys, trained):
+        feed.chunk([(key, range(6))])
+        feed.finish(key, num_tokens=6, loss_mask=[[3, 6]] if loss else [])
+    writer.end_run("end of stream", {})
+    writer.close()
+    return keys
+
+
+def test_export_limit_counts_exported_samples(tmp_path: Path) -> None:
+    """Samples left out (empty loss mask) do not use up --limit; a rerun with the same limit adds nothing,
+    a larger one the next samples."""
+    keys = fed_store(tmp_path / "store", [True, False, False, True, True, True])
+    out = tmp_path / "out"
+    first = export(ExportOptions(tmp_path / "store", out, "specforge", limit=3, progress=False))
+    assert (first.written, first.skipped_empty_loss_mask, first.total) == (3, 2, 3)
+    assert sorted(manifest_ids(out).values()) == [keys[0], keys[3], keys[4]]
+    again = export(ExportOptions(tmp_path / "store", out, "specforge", limit=3, progress=False))
+    assert (again.written, again.kept, again.total) == (0, 3, 3)
+    more = export(ExportOptions(tmp_path / "store", out, "specforge", limit=4, progress=False))
+    assert (more.written, more.kept, more.total) == (1, 3, 4) and manifest_ids(out)[3] == keys[5]
+
+
+def test_export_names_its_positional_out_and_shares_with_a_group(tmp_path: Path) -> None:
+    """OUT is positional: no message names a --out flag; --share-group applies to exports as the README says."""
+    fed_store(tmp_path / "store", [True, True])
+    (tmp_path / "a-file").write_text("")
+    result = run_cli("export", tmp_path / "store", tmp_path / "a-file", "--format", "specforge")
+    assert result.returncode == 1 and "choose another OUT" in result.stderr and "--out" not in result.stderr
+    group = grp.getgrgid(os.getgid()).gr_name
+    result = run_cli("export", tmp_path / "store", tmp_path / "shared", "--format", "specforge", "--share-group", group)
+    assert result.returncode == 0, result.stderr
+    assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o2750
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o640 for p in (tmp_path / "shared").rglob("*") if p.is_file())
 
 
 # ------------------------------------------------------------------------------ dependency ranges

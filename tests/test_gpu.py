@@ -372,7 +372,7 @@ def test_extraction_batches_never_wait_for_the_gpu_in_our_code(
         samples = list(load_samples(write_demo_jsonl(tmp_path / "demo.jsonl", n=40), engine.tokenizer))
         batches = plan_batches(samples, 1024, 64, 64)
         consumer = start_consumer(tmp_path / "store", endpoint, "--exit-on-eos")
-        engine.start(endpoint, {}, lambda: None, max(len(s.input_ids) for s in samples))
+        engine.start(endpoint, {}, lambda: None)
         with sync_debug("warn"), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for batch in batches:

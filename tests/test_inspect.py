@@ -73,3 +73,28 @@ def test_inspect_text_is_readable_and_bounded(streaming_store: tuple[Path, Workl
 def test_inspect_of_something_else_says_so(tmp_path: Path) -> None:
     result = inspect_cli(tmp_path)
     assert result.returncode == 2 and "not an hscapture store" in result.stderr and not result.stdout
+
+
+def test_inspect_says_which_trainers_a_store_exports_to(tiny_store: Path) -> None:
+    """The default capture (EAGLE-3's aux layers and last, L = 8) feeds SpecForge, not speculators: inspect says so,
+    with the capture that would, in the text and in --json."""
+    report = json.loads(inspect_cli(tiny_store, "--json").stdout)
+    assert report["exports"]["specforge"] == {"ok": True, "flags": ""}
+    speculators = report["exports"]["speculators"]
+    assert (
+        not speculators["ok"] and "needs 'layer_8'" in speculators["why"] and "--layers 2,4,5,8" in speculators["why"]
+    )
+    text = inspect_cli(tiny_store).stdout
+    assert f"exports    specforge: yes: hscapture export {tiny_store} OUT --format specforge\n" in text
+    assert re.search(r"^ {11}speculators: no: --format speculators needs 'layer_8'", text, re.M), text
+
+
+def test_export_formats_of_more_than_three_aux_layers_name_the_three_to_pick() -> None:
+    from types import SimpleNamespace
+
+    from hscapture.inspection import export_formats
+
+    names = ["layer_1", "layer_2", "layer_4", "layer_5", "layer_8", "last"]
+    formats = export_formats(SimpleNamespace(tensor_names=names, root="s"), num_layers=8)
+    assert formats["specforge"] == {"ok": True, "flags": "--aux-layers 2,4,5"}
+    assert formats["speculators"] == {"ok": True, "flags": ""}

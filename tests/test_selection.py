@@ -54,7 +54,7 @@ def capture(model: Path, data: Path, out: Path, layers: str, positions: str) -> 
     with short_endpoint() as endpoint:
         consumer = ThreadConsumer(consume_command(endpoint, out, "--quiet", "--exit-on-eos", "--heartbeat-ms", "50"))
         try:
-            engine.start(endpoint, {"data": str(data)}, lambda: None, max(len(s.input_ids) for s in samples))
+            engine.start(endpoint, {"data": str(data)}, lambda: None)
             for batch in plan_batches(samples, BATCH_TOKENS, 64, PAD_TO):
                 engine.run(batch)
             engine.end()

@@ -105,7 +105,7 @@ class HostQuantizer:
             values = wide.view(np.uint32)
         codes = piece.planes[t]
         self._kernel(values, codes, piece.scales[t], piece.nonfinite[t])
-        piece.crcs[t][:] = row_crcs(codes, compiled=True).view(np.int32)
+        piece.crcs[t][:] = row_crcs(codes, compiled=True, wait=False).view(np.int32)
 
     def close(self) -> None:
         """Stop the threads (the ring is closing)."""

@@ -229,6 +229,30 @@ def load_model(model_dir: Path | None, dtype: str | None, device: str) -> tuple[
     return tokenizer, model, path
 
 
+def steps(lengths: Sequence[int], max_rows: int) -> list[tuple[int, int, list[int], list[int]]]:
+    """A batch's kept rows (requests' rows in order, ``lengths`` each) in ring steps of at most ``max_rows`` rows.
+
+    Returns:
+        Per step: its first and past-last kept row, the requests (indices into ``lengths``) whose rows it holds,
+        and how many of each; a request longer than ``max_rows`` spans several steps.
+    """
+    out: list[tuple[int, int, list[int], list[int]]] = []
+    begin, owners, counts = 0, [], []
+    for request, length in enumerate(lengths):
+        left = length
+        while left:
+            take = min(left, max_rows - sum(counts))
+            owners.append(request)
+            counts.append(take)
+            left -= take
+            if sum(counts) == max_rows:
+                out.append((begin, begin + max_rows, owners, counts))
+                begin, owners, counts = begin + max_rows, [], []
+    if counts:
+        out.append((begin, begin + sum(counts), owners, counts))
+    return out
+
+
 class AttentionKernels:
     """Which attention kernels a batch of a given shape may run on a GPU: cuDNN's only once the shape earned its plan.
 
@@ -370,11 +394,12 @@ class HFExtraction:
         self._batch_done: deque[torch.cuda.Event] = deque()
         self.kernels = AttentionKernels(self.model) if self.device.type == "cuda" else None
 
-    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None], longest: int) -> None:
-        """Start the producer, its ring sized for a batch of ``max_batch_tokens`` or one sample of ``longest``
-        tokens (a longer sample runs alone), and wait until the consumer on ``endpoint`` attached."""
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
+        """Start the producer, its ring sized for steps of ``max_batch_tokens`` rows (a batch of a longer sample,
+        which runs alone, goes to the ring in several steps: :func:`steps`), and wait until the consumer on
+        ``endpoint`` attached."""
         capture = self.capture
-        config = self.capture_config(endpoint, max(self.max_batch_tokens, longest))
+        config = self.capture_config(endpoint, self.max_batch_tokens)
         descriptions = describe(capture.layers, capture.capture_last, capture.num_layers)
         run_meta = {**self.meta, **meta}
         self.producer = Producer(config, tensor_descriptions=descriptions, meta=run_meta, watchdog=watchdog)
@@ -426,17 +451,17 @@ class HFExtraction:
         kept = [self.positions.asked(n, mask) for n, mask in zip(lengths, masks)]
         positions = np.concatenate(kept)
         rows = torch.from_numpy(np.concatenate([i * input_ids.shape[1] + p for i, p in enumerate(kept)]))
-        owners = [(s.key, len(p)) for s, p in zip(batch, kept) if len(p)]
         states = self.capture.collect()
         self._wait_for_device()
-        if owners:
+        keys, token_ids = [s.key for s in batch], input_ids.reshape(-1)[rows]
+        for begin, end, owners, counts in steps([len(p) for p in kept], self.max_batch_tokens):
             self.producer.capture_step(
                 states,
-                request_ids=[key for key, _ in owners],
-                request_rows=[count for _, count in owners],
-                positions=positions,
-                token_ids=input_ids.reshape(-1)[rows],
-                row_index=rows.to(self.device, non_blocking=True),
+                request_ids=[keys[i] for i in owners],
+                request_rows=counts,
+                positions=positions[begin:end],
+                token_ids=token_ids[begin:end],
+                row_index=rows[begin:end].to(self.device, non_blocking=True),
             )
         if self.device.type == "cuda":
             self._batch_done.append(torch.cuda.Event())

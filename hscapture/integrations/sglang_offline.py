@@ -117,9 +117,8 @@ class SGLangExtraction:
         self.engine: Any = None
         self._watchdog: Callable[[], None] = lambda: None
 
-    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None], longest: int) -> None:
-        """Start ``sglang.Engine`` with the plugin capturing to ``endpoint`` (SGLang sizes its own batches: ``longest``
-        is not needed)."""
+    def start(self, endpoint: str, meta: dict[str, Any], watchdog: Callable[[], None]) -> None:
+        """Start ``sglang.Engine`` with the plugin capturing to ``endpoint`` (SGLang sizes its own batches)."""
         if self.device == "cpu":
             use_cpu_host_env()
         self._watchdog = watchdog

@@ -49,15 +49,16 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
-def row_crcs(rows: np.ndarray, compiled: bool = False) -> np.ndarray:
+def row_crcs(rows: np.ndarray, compiled: bool = False, wait: bool = True) -> np.ndarray:
     """``[n]`` uint32 CRC-32 of each row of a ``[n, row_bytes]`` uint8 array.
 
     With ``compiled``, by :func:`crc_kernel` where there is one (it is compiled on the first such
-    call: writers ask for it when a run begins; readers never do), else by zlib: the same bits.
+    call: writers ask for it when a store opens; readers never do), else by zlib: the same bits. With
+    ``wait=False``, by zlib while the kernel is still compiling (a writer's first shards do not wait for it).
     """
     n, width = rows.shape
     rows = np.ascontiguousarray(rows)
-    kernel = crc_kernel() if compiled else None
+    kernel = crc_kernel(wait) if compiled else None
     if kernel is not None:
         out = np.empty(n, dtype=np.uint32)
         kernel(rows, out)
@@ -66,10 +67,11 @@ def row_crcs(rows: np.ndarray, compiled: bool = False) -> np.ndarray:
     return np.fromiter((zlib.crc32(flat[i : i + width]) for i in range(0, n * width, width)), np.uint32, n)
 
 
-def crc_kernel() -> Callable[[np.ndarray, np.ndarray], None] | None:
+def crc_kernel(wait: bool = True) -> Callable[[np.ndarray, np.ndarray], None] | None:
     """``kernel(rows, out)``: the CRC-32 of each row of ``[n, width]`` uint8 ``rows`` into ``[n]`` uint32
-    ``out``, releasing the GIL; None without numba or an x86 CPU with carry-less multiply (PCLMULQDQ)."""
-    return jit.compiled(_compile_crc)
+    ``out``, releasing the GIL; None without numba or an x86 CPU with carry-less multiply (PCLMULQDQ), and,
+    with ``wait=False``, while it is still compiling."""
+    return jit.compiled(_compile_crc, wait)
 
 
 def _compile_crc(numba: Any) -> Any:

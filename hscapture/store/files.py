@@ -51,14 +51,17 @@ def group_id(name: str) -> int:
     return gid
 
 
-def open_store_dir(root: Path, share_group: str | None = None, what: str = "store directory") -> StoreDir:
+def open_store_dir(
+    root: Path, share_group: str | None = None, what: str = "store directory", option: str = "--out"
+) -> StoreDir:
     """Create the store directory (0700), or check an existing one, and open it: the handle every file of
     the store is made through.
 
     ``root`` may be a link of the user's own to a directory elsewhere; a link of another user on the way to it,
     or a directory on the way that others may write into (unless sticky), is refused. With ``share_group`` the
     directory is given to that group, setgid and 2750, and the store's files already there become 0640 in it.
-    ``what`` names the directory in messages (an export's output directory follows the same rules).
+    ``what`` names the directory in messages (an export's output directory follows the same rules), ``option`` the
+    argument that gives it.
 
     Raises:
         AccessError: a link or directory of another user, a directory others may write into, or one on the
@@ -74,12 +77,12 @@ def open_store_dir(root: Path, share_group: str | None = None, what: str = "stor
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     except NotADirectoryError:
-        raise AccessError(f"{what} {root} is not a directory; choose another --out") from None
+        raise AccessError(f"{what} {root} is not a directory; choose another {option}") from None
     directory = StoreDir(root, fd)
     try:
         fix = (
-            f"if you made it, run `chmod go-w {root}`, else choose another --out (whoever can write there can plant "
-            "links)"
+            f"if you made it, run `chmod go-w {root}`, else choose another {option} (whoever can write there can "
+            "plant links)"
         )
         check_owner(os.fstat(fd), root, what, 0o022, fix)
         if gid is not None:
@@ -95,9 +98,11 @@ def open_store_dir(root: Path, share_group: str | None = None, what: str = "stor
     return directory
 
 
-def prepare_store_dir(root: Path, share_group: str | None = None, what: str = "store directory") -> int:
+def prepare_store_dir(
+    root: Path, share_group: str | None = None, what: str = "store directory", option: str = "--out"
+) -> int:
     """:func:`open_store_dir` for a caller that keeps no handle; returns the mode of files to create."""
-    with open_store_dir(root, share_group, what) as directory:
+    with open_store_dir(root, share_group, what, option) as directory:
         return directory.file_mode
 
 

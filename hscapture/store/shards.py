@@ -362,7 +362,7 @@ class _Output:
         crcs = np.empty(n, dtype=np.uint32)
         for begin in range(0, n, step):
             block = np.ascontiguousarray(rows[begin : begin + step])
-            crcs[begin : begin + len(block)] = row_crcs(block, compiled=True)
+            crcs[begin : begin + len(block)] = row_crcs(block, compiled=True, wait=False)  # zlib while compiling
             self._put_plane(offset + begin * width, block.reshape(-1))
         return crcs
 

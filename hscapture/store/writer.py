@@ -219,8 +219,9 @@ class StoreWriter:
         self._threads_asked, self._buffers_asked = writer_threads, shard_buffers
         self.writer_threads, self.shard_buffers = self._sizes()
         self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
-        #: The writer threads' row checksums, compiled while no producer is attached yet (~1 s of a core).
-        self._compiled = self._pool.submit(crc_kernel)
+        # The writer threads' row checksums, compiled from now on (~1 s of a core; nothing waits for it: shards
+        # written before it is done are checksummed by zlib, the same bits).
+        self._pool.submit(crc_kernel)
         self._free: queue.SimpleQueue[ShardBuffer] = queue.SimpleQueue()
         self._buffers_made = 0
         self._buffers_quantized = False
@@ -341,18 +342,29 @@ class StoreWriter:
         self._prepare(quantized)
 
     def _prepare(self, quantized: bool) -> None:
-        """Make the shard buffers missing, and have the writer threads' row checksums (and their quantizer)
-        compiled, now: not under the rows. The buffers are allocated on this thread (pinned memory is pinned
-        where the ring's copies are issued), then touched on the writer threads; the quantizer compiles on this
-        one (a writer thread waiting for the compiler's lock would touch nothing meanwhile)."""
+        """Make the shard buffers missing, and return once the first is ready for rows: they are allocated on this
+        thread (pinned memory is pinned where the ring's copies are issued) and touched (a fresh page faults on its
+        first write: never under the rows), the first here, the others one after another on a writer thread, each
+        free for rows once touched. The row checksums compile meanwhile, on a writer thread since the store
+        opened (shards written before are checksummed by zlib: the same bits, never a write held back), and so
+        does the quantizer where the writers quantize (their first shard waits for it). The run's begin waited
+        for all of it, seconds of a 2-core host's start-up before the producer could send a row."""
         run = self._require_run()
         fresh = [self._new_buffer(run) for _ in range(self.shard_buffers - self._buffers_made)]
-        touched = self._pool.map(touch, fresh)
+        if fresh:
+            self._touch_and_free(fresh[:1])
+            self._pool.submit(self._touch_and_free, fresh[1:])
         if self.fp8 and not quantized:
-            host_kernels()
-        for buffer in touched:
-            self._free.put(buffer)
-        self._compiled.result()
+            self._pool.submit(host_kernels)
+
+    def _touch_and_free(self, buffers: list[ShardBuffer]) -> None:
+        """Touch ``buffers`` one after another, each free for rows once touched (touched side by side, the first
+        would be ready only when all are)."""
+        for buffer in buffers:
+            try:
+                touch(buffer)
+            finally:  # untouched if it failed: slower first writes, never a buffer lost
+                self._free.put(buffer)
 
     def _sizes(self) -> tuple[int, int]:
         """Writer threads and shard buffers: as asked, else by how row planes go out now."""
@@ -364,7 +376,7 @@ class StoreWriter:
         since the last run; between runs nothing is written)."""
         threads, self.shard_buffers = self._sizes()
         if threads != self.writer_threads:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False)  # nothing is written between runs; a compile still running finishes
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hscapture-writer")
             self.writer_threads = threads
 
