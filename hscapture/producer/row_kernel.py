@@ -39,20 +39,10 @@ _ARGUMENTS = (
     [ctypes.c_uint64] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 4 + [ctypes.c_uint64] + [ctypes.c_int64] * 2
 )
 _DST, _PLANE, _HVEC = 12, 13, 14
-#: The graph copy's arguments after the sources': hvec, plan table, counter, mask, control words, timeout.
-_PLANNED_ARGUMENTS = (
-    [ctypes.c_uint64] * 4
-    + [ctypes.c_int64] * 4
-    + [ctypes.c_int] * 4
-    + [
-        ctypes.c_int64,
-        ctypes.c_uint64,
-        ctypes.c_uint64,
-        ctypes.c_int64,
-        ctypes.c_uint64,
-        ctypes.c_int64,
-    ]
-)
+#: The graph copy's arguments: the sources' (as :data:`_ARGUMENTS`), then hvec and the replay's entry in device memory.
+_PLANNED_ARGUMENTS = [*_ARGUMENTS[:12], ctypes.c_int64, ctypes.c_uint64]
+#: The plan fetch's arguments: plan table, counter, mask, control words, timeout, the entry's copy in device memory.
+_FETCH_ARGUMENTS = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64]
 #: Replays the plan table has room for ahead of the GPU (an engine queues one or two).
 PLAN_ENTRIES = 1024
 #: How long a graph's copy waits for its plan entry (beyond a ``block`` producer's wait for credit) before
@@ -227,7 +217,7 @@ class GraphRows:
         device: int,
         wait_s: float,
     ) -> None:
-        self._copy, self._advance = (ctypes.c_void_p(f) for f in functions)
+        self._fetch, self._copy = (ctypes.c_void_p(f) for f in functions)
         self._base, self._slot_bytes, self._hidden_bytes = base, slot_bytes, hidden_bytes
         self._num_tensors, self._device = num_tensors, device
         # Entries, then the control words [off, fault] (int32) in the row after them; pinned, seen by the GPU.
@@ -238,6 +228,7 @@ class GraphRows:
         self._control = self._entries[PLAN_ENTRIES].view(np.int32)
         self._table_on_device = _device_pointer(self._table.data_ptr())
         self._counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self._current = torch.zeros(4, dtype=torch.int64, device=device)  # the replay's entry, read by every block
         self._next = 0
         #: How long a replay's copy waits for its entry.
         self.wait_s = wait_s
@@ -255,7 +246,7 @@ class GraphRows:
     ) -> GraphRows | None:
         """As :meth:`RowKernel.load`, without a stream (a capture queues on the capturing one); a replay's copy
         waits ``wait_s`` for its entry."""
-        functions = _functions(slots, slot_bytes, hidden, "planned_rows_to_planes", "advance_plan")
+        functions = _functions(slots, slot_bytes, hidden, "fetch_plan", "planned_rows_to_planes")
         if functions is None:
             return None
         first = slots[0]
@@ -316,22 +307,18 @@ class GraphRows:
             spans.append(width // self._hidden_bytes)
         if sum(spans) != self._num_tensors:
             raise ValueError(f"GraphRows.capture: the sources hold {sum(spans)} tensors, the ring {self._num_tensors}")
-        values[12].value = self._hidden_bytes // 16
-        values[13].value = self._table_on_device
-        values[14].value = self._counter.data_ptr()
-        values[15].value = PLAN_ENTRIES - 1
-        values[16].value = self._table_on_device + PLAN_ENTRIES * 64
-        values[17].value = int(self.wait_s * 1e9)
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        counter = ctypes.c_uint64(self._counter.data_ptr())
-        advance = (ctypes.c_void_p * 1)(ctypes.addressof(counter))
+        values[12].value, values[13].value = self._hidden_bytes // 16, self._current.data_ptr()
+        table, control = self._table_on_device, self._table_on_device + PLAN_ENTRIES * 64
+        given = (table, self._counter.data_ptr(), PLAN_ENTRIES - 1, control, int(self.wait_s * 1e9))
+        fetch = [kind(v) for kind, v in zip(_FETCH_ARGUMENTS, (*given, self._current.data_ptr()))]
         stream = torch.cuda.current_stream(self._device).cuda_stream
         launch = _driver()[0]
         for function, grid, block, args in (
-            (self._copy, (rows, self._num_tensors), _threads(self._hidden_bytes), params),
-            (self._advance, (1, 1), 1, advance),
+            (self._fetch, (1, 1), 1, fetch),
+            (self._copy, (rows, self._num_tensors), _threads(self._hidden_bytes), values),
         ):
-            status = launch(function, *grid, 1, block, 1, 1, 0, stream, args, None)
+            params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(v) for v in args])
+            status = launch(function, *grid, 1, block, 1, 1, 0, stream, params, None)
             if status:
                 raise _launch_failed(status, "graph ring write")
         self._sources.add(states[0].data_ptr())
