@@ -839,6 +839,7 @@ def compute_goals(results: dict[str, Any], tiny: bool) -> dict[str, Any]:
     ]
     if hosts:
         value, name, policy = max(hosts)
+        value = round(value, 1)
         note = f"worst: {name} {policy} (before + after the step)"
         goals["host_us_per_decode_step"] = _goal(f"<= {HOST_US_GOAL} at batch 1-64", value, value <= HOST_US_GOAL, note)
 
