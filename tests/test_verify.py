@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from hscapture.errors import StoreError
-from hscapture.store.checksum import RowCrcs, crc32_combine, crc_kernel, row_crcs
+from hscapture.store.checksum import RowCrcs, combine_rows, crc32_combine, crc_kernel, row_crcs
 from hscapture.store.format import encode_line
 from hscapture.store.records import Finish
 from hscapture.store.verify import BLOCK_BYTES, ShardCheck, VerifyReport, format_report, verify_store
@@ -162,6 +162,17 @@ def test_crc32_combine_equals_zlib_over_the_concatenation() -> None:
         a = rng.integers(0, 256, size_a, dtype=np.uint8).tobytes()
         b = rng.integers(0, 256, size_b, dtype=np.uint8).tobytes()
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b), (size_a, size_b)
+
+
+def test_combined_row_crcs_equal_zlib_over_the_plane() -> None:
+    """A tensor's CRC folded from its rows' (front-padded to a power of two, byte tables per row size) is
+    zlib's over the whole plane: no rows, one, odd and even counts, powers of two and one past."""
+    rng = np.random.default_rng(11)
+    for rows in (0, 1, 2, 3, 7, 8, 9, 100, 513):
+        for width in (1, 3, 64, 4096):
+            plane = rng.integers(0, 256, (rows, width), dtype=np.uint8)
+            crcs = np.array([zlib.crc32(row.tobytes()) for row in plane], dtype=np.uint32)
+            assert combine_rows(crcs, width) == zlib.crc32(plane.tobytes()), (rows, width)
 
 
 @pytest.mark.parametrize("width", [1, 8, 64, 4096])

@@ -236,24 +236,38 @@ class RowCrcs:
 def combine_rows(crcs: np.ndarray, row_bytes: int) -> int:
     """CRC-32 of ``len(crcs)`` consecutive rows of ``row_bytes`` each, from each row's CRC-32.
 
-    A tree: neighbours are paired with one vectorized GF(2) operator per level (advance over the
-    right one's length, xor), so n rows cost ~log2(n) numpy passes, not n combines. An odd row
-    out at a level is folded into a running suffix.
+    A tree: neighbours are paired per level (the left one advanced over the right one's length, xor),
+    each level one vectorized pass through byte tables of that length's operator, cached per row size:
+    ~log2(n) short numpy passes, not n combines. (A shard of 33 tensors x 900 rows took ~100 ms of a
+    writer's GIL with a pass per bit; ~9 ms now, on the 2-core host.) The rows are padded in front to a
+    power of two with the CRC of nothing (0): combining it in changes nothing, as the left piece's
+    length never enters a combine.
     """
     values = np.asarray(crcs, dtype=np.uint32)
-    if not len(values):
-        return 0
-    suffix, suffix_bytes, size = 0, 0, row_bytes
-    operator = _zeros_operator(size)
-    while len(values) > 1:
-        if len(values) % 2:
-            suffix = crc32_combine(int(values[-1]), suffix, suffix_bytes)
-            suffix_bytes += size
-            values = values[:-1]
-        values = _gf2_times_all(operator, values[0::2]) ^ values[1::2]
-        size *= 2
-        operator = _gf2_square(operator)
-    return crc32_combine(int(values[0]), suffix, suffix_bytes)
+    if len(values) <= 1:
+        return int(values[0]) if len(values) else 0
+    levels = (len(values) - 1).bit_length()
+    values = np.concatenate([np.zeros((1 << levels) - len(values), np.uint32), values])
+    for level in range(levels):
+        values = _advance_all(_zeros_tables(row_bytes, level), values[0::2]) ^ values[1::2]
+    return int(values[0])
+
+
+@functools.cache
+def _zeros_tables(row_bytes: int, level: int) -> np.ndarray:
+    """``[4, 256]`` uint32: byte ``p`` of a CRC's contribution after ``row_bytes * 2**level`` zero bytes."""
+    columns = np.array(_zeros_matrix(row_bytes, level), dtype=np.uint32)
+    byte = np.arange(256, dtype=np.uint32)
+    tables = np.zeros((4, 256), dtype=np.uint32)
+    for bit in range(32):
+        tables[bit // 8] ^= ((byte >> np.uint32(bit % 8)) & np.uint32(1)) * columns[bit]
+    return tables
+
+
+@functools.cache
+def _zeros_matrix(row_bytes: int, level: int) -> tuple[int, ...]:
+    """The operator advancing a CRC-32 over ``row_bytes * 2**level`` zero bytes."""
+    return _zeros_operator(row_bytes) if level == 0 else _gf2_square(_zeros_matrix(row_bytes, level - 1))
 
 
 def _zeros_operator(length: int) -> tuple[int, ...]:
@@ -269,10 +283,11 @@ def _zeros_operator(length: int) -> tuple[int, ...]:
     return matrix
 
 
-def _gf2_times_all(matrix: tuple[int, ...], vectors: np.ndarray) -> np.ndarray:
-    total = np.zeros_like(vectors)
-    for bit, column in enumerate(matrix):
-        total ^= ((vectors >> np.uint32(bit)) & np.uint32(1)) * np.uint32(column)
+def _advance_all(tables: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """Each CRC of ``vectors`` advanced by the operator whose byte tables are ``tables``."""
+    total = tables[0][vectors & np.uint32(0xFF)]
+    for p in range(1, 4):
+        total ^= tables[p][(vectors >> np.uint32(8 * p)) & np.uint32(0xFF)]
     return total
 
 
