@@ -77,9 +77,9 @@ import numpy as np
 import torch
 
 from benchmarks.sglang_standin import FINISH_ABORT, ForwardMode, OverlapScheduler, Plan, capture_with_producer
-from hscapture.config import CaptureConfig
+from hscapture.config import CaptureConfig, default_ring_bytes, default_slot_bytes
 from hscapture.consumer import consume_command
-from hscapture.integrations.sglang import SGLangCapture, default_ring_bytes, default_slot_bytes
+from hscapture.integrations.sglang import SGLangCapture
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS = (2, 16, 29)

@@ -22,6 +22,29 @@ MiB = 1 << 20
 #: Slots start on this boundary so every dtype view and vectorised copy is aligned.
 SLOT_ALIGN = 256
 
+#: Rows a ring slot holds by default for a serving engine: a decode run of 16 steps at batch 128, 8 at batch 256.
+#: A run's host work (its token ids from every request, its announcement) is paid once per run: at 512 rows a
+#: slot, batch 256 made runs of 2 steps and SGLang's hooks cost ~240 µs a step on the H200 (a 4 MiB slot holds
+#: 73 rows of Kimi-K2.5's EAGLE-3 set, 57 KiB each: not even one step at batch 256).
+SLOT_ROWS = 2048
+#: Slots a ring has by default at least: a run holds its slot while it grows.
+RING_SLOTS = 8
+
+
+def default_slot_bytes(row_bytes: int, rows: int = SLOT_ROWS) -> int:
+    """Slot bytes for ``rows`` rows of ``row_bytes``, at least 4 MiB, whole :data:`SLOT_ALIGN` blocks.
+
+    Sized in rows, not bytes: every slot costs the same host work whatever it holds (an announcement, a copy
+    per tensor out of the ring), so wide rows in fixed-size slots pay it every few rows.
+    """
+    return max(4 * MiB, -(-rows * row_bytes // SLOT_ALIGN) * SLOT_ALIGN)
+
+
+def default_ring_bytes(slot_bytes: int, row_bytes: int, max_rows: int) -> int:
+    """Room for two of the engine's largest steps (``max_rows`` rows), and at least :data:`RING_SLOTS` slots."""
+    return max(RING_SLOTS, 2 * -(-max_rows // (slot_bytes // row_bytes))) * slot_bytes
+
+
 #: Storage dtypes by name. The ring and the shards hold rows in exactly this dtype.
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

@@ -9,7 +9,18 @@ from typing import Any
 
 import pytest
 
-from hscapture.config import SLOT_ALIGN, CaptureConfig, ConsumerConfig, MiB, ensure_writable_dir
+from hscapture.config import (
+    RING_SLOTS,
+    SLOT_ALIGN,
+    SLOT_ROWS,
+    CaptureConfig,
+    ConsumerConfig,
+    MiB,
+    default_ring_bytes,
+    default_slot_bytes,
+    ensure_writable_dir,
+)
+from hscapture.integrations.hf import EXTRACT_SLOT_ROWS
 
 # A small valid geometry: 2 layers + last, hidden 64, float32 -> row of 3 * 64 * 4 = 768 bytes.
 BASE: dict[str, Any] = {
@@ -374,3 +385,16 @@ def test_layer_specs_name_ids_ranges_or_all_and_refuse_the_rest_with_what_they_t
         resolve_layers("0,2", 32, (1, 31), "SGLang's X")
     with pytest.raises(ValueError, match=r"--layers: layers \[2\] named twice in \[2, 5, 2\]"):
         layer_spec([2, 5, 2])
+
+
+def test_default_slots_hold_rows_not_bytes() -> None:
+    """Kimi-K2.5's EAGLE-3 set (3 aux layers + last, 7168 wide, bf16): 2048 rows a slot (8 decode steps at batch
+    256), not the 73 of 4 MiB; every layer of an 8B model in extraction (33 tensors, 4096 wide): 512 rows, not
+    the 15 of 4 MiB. The ring holds two of the engine's largest steps, and a few slots at least."""
+    kimi, wide = 4 * 7168 * 2, 33 * 4096 * 2
+    slot = default_slot_bytes(kimi)
+    assert slot // kimi == SLOT_ROWS >= 8 * 256 and slot % SLOT_ALIGN == 0
+    assert default_slot_bytes(wide, EXTRACT_SLOT_ROWS) // wide == EXTRACT_SLOT_ROWS >= 512
+    assert default_slot_bytes(4 * 64 * 2) == 4 * MiB  # tiny rows: never below 4 MiB
+    assert default_ring_bytes(slot, kimi, 16384) == 16 * slot  # two 16k-token prefills
+    assert default_ring_bytes(slot, kimi, 256) == RING_SLOTS * slot

@@ -38,18 +38,13 @@ from benchmarks.sglang_standin import (
     expected_row,
 )
 from hscapture import CaptureConfig, open_store
-from hscapture.config import SLOT_ALIGN, MiB
 from hscapture.integrations.sglang import (
     LOSS_MASK_PARAM,
     MAX_PENDING,
     OWN_CACHE_SALT,
     OWN_PARAM,
-    RING_SLOTS,
-    SLOT_ROWS,
     PluginSettings,
     SGLangCapture,
-    default_ring_bytes,
-    default_slot_bytes,
 )
 from hscapture.producer import RUN_STEPS
 from hscapture.selection import Positions, check_rate, sampled
@@ -124,17 +119,6 @@ def no_capture_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     with caplog.at_level(logging.ERROR, logger="hscapture.integrations.sglang"):
         yield
     assert not caplog.records, caplog.text
-
-
-def test_default_slots_hold_a_decode_run_of_the_models_rows() -> None:
-    """Kimi-K2.5's EAGLE-3 set (3 aux layers + last, 7168 wide, bf16): 2048 rows a slot (8 decode steps at batch
-    256), not the 73 of 4 MiB; the ring holds two of the engine's largest steps, and a few slots at least."""
-    kimi = 4 * 7168 * 2
-    slot = default_slot_bytes(kimi)
-    assert slot // kimi == SLOT_ROWS >= 8 * 256 and slot % SLOT_ALIGN == 0
-    assert default_slot_bytes(4 * 64 * 2) == 4 * MiB  # tiny rows: never below 4 MiB
-    assert default_ring_bytes(slot, kimi, 16384) == 16 * slot  # two 16k-token prefills
-    assert default_ring_bytes(slot, kimi, 256) == RING_SLOTS * slot
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])

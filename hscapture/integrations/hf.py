@@ -28,7 +28,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from hscapture.config import DTYPES, CaptureConfig, MiB, check_layer_ids, dtype_name, layer_spec, resolve_layers
+from hscapture.config import (
+    DTYPES,
+    CaptureConfig,
+    check_layer_ids,
+    default_ring_bytes,
+    default_slot_bytes,
+    dtype_name,
+    layer_spec,
+    resolve_layers,
+)
 from hscapture.config import eagle3_default_layers as eagle3_default_layers  # extract and tests import it here
 from hscapture.data import Sample, check_batching, loss_mask_ranges, pad_batch, padded_length
 from hscapture.errors import HSCaptureError
@@ -36,6 +45,9 @@ from hscapture.producer import Producer
 from hscapture.selection import Positions
 
 LAST = "last"
+#: Rows a ring slot holds in extraction: no decode runs to join, so fewer than a serving slot; enough that the
+#: per-slot host work is paid once per hundreds of rows however wide a row is.
+EXTRACT_SLOT_ROWS = 512
 
 
 def decoder(model: nn.Module) -> nn.Module:
@@ -414,12 +426,13 @@ class HFExtraction:
     def capture_config(self, endpoint: str, max_rows: int) -> CaptureConfig:
         """A block-policy capture of ``max_rows`` rows per step, the ring holding two such steps.
 
-        Slots of 4 MiB (a prefill batch is thousands of rows): fewer announcements and copies per batch.
+        Slots of :data:`EXTRACT_SLOT_ROWS` rows (a prefill batch is thousands of rows): every slot costs an
+        announcement and a copy per tensor out of the ring, and 4 MiB slots held only 15 rows of every layer
+        of an 8B model (270 KB a row).
         """
         hidden = self.model.config.hidden_size
         row_bytes = len(self.capture.names) * hidden * DTYPES[self.dtype].itemsize
-        slot_bytes = max(4 * MiB, -(-row_bytes // 256) * 256)
-        slots = max(8, 2 * -(-max_rows // (slot_bytes // row_bytes)))
+        slot_bytes = default_slot_bytes(row_bytes, EXTRACT_SLOT_ROWS)
         return CaptureConfig(
             layers=self.layers,
             hidden_size=hidden,
@@ -427,7 +440,7 @@ class HFExtraction:
             capture_last=self.capture.capture_last,
             dtype=self.dtype,
             slot_bytes=slot_bytes,
-            ring_bytes=slots * slot_bytes,
+            ring_bytes=default_ring_bytes(slot_bytes, row_bytes, max_rows),
             max_step_rows=max_rows,
             policy="block",
             endpoint=endpoint,

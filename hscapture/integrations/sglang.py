@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from hscapture.config import SLOT_ALIGN, CaptureConfig, MiB, dtype_name
+from hscapture.config import CaptureConfig, default_ring_bytes, default_slot_bytes, dtype_name
 from hscapture.integrations.sglang_select import LOSS_MASK_PARAM as LOSS_MASK_PARAM  # the launchers import it here
 from hscapture.integrations.sglang_select import RowFilter, loss_mask
 from hscapture.selection import Positions, sampled
@@ -149,9 +149,9 @@ class PluginSettings:
     capture_last: bool = True
     #: ``drop`` (serving never waits) or ``block`` (nothing lost: offline extraction).
     policy: str = "drop"
-    #: Bytes of one ring slot; None: room for :data:`SLOT_ROWS` rows, and at least 4 MiB.
+    #: Bytes of one ring slot; None: room for :data:`~hscapture.config.SLOT_ROWS` rows, and at least 4 MiB.
     slot_bytes: int | None = None
-    #: Ring bytes; None sizes it for two of the engine's largest steps, at least :data:`RING_SLOTS` slots.
+    #: Ring bytes; None: two of the engine's largest steps, at least :data:`~hscapture.config.RING_SLOTS` slots.
     ring_bytes: int | None = None
     block_timeout_s: float = 120.0
     #: Facts stored with the run (model path, launcher, ...).
@@ -270,23 +270,6 @@ def _parallel() -> Any:
 #: Forwards whose rows may wait for their token ids at once (SGLang's loops leave at most one);
 #: a forward beyond that stops capture: the host never got the ids, or results are not processed.
 MAX_PENDING = 4
-#: Rows a ring slot holds by default: a decode run of 16 steps at batch 128, 8 at batch 256. A run's host work
-#: (its token ids from every request, its announcement) is paid once per run: at 512 rows a slot, batch 256 made runs
-#: of 2 steps and the hooks cost ~240 µs a step on the H200 (a 4 MiB slot holds 73 rows of Kimi-K2.5's EAGLE-3 set,
-#: 57 KiB each: not even one step at batch 256).
-SLOT_ROWS = 2048
-#: Slots a ring has by default at least: a run holds its slot while it grows.
-RING_SLOTS = 8
-
-
-def default_slot_bytes(row_bytes: int) -> int:
-    """Slot bytes for :data:`SLOT_ROWS` rows of ``row_bytes``, at least 4 MiB, whole ``SLOT_ALIGN`` blocks."""
-    return max(4 * MiB, -(-SLOT_ROWS * row_bytes // SLOT_ALIGN) * SLOT_ALIGN)
-
-
-def default_ring_bytes(slot_bytes: int, row_bytes: int, max_rows: int) -> int:
-    """Room for two of the engine's largest steps (``max_rows`` rows), and at least :data:`RING_SLOTS` slots."""
-    return max(RING_SLOTS, 2 * -(-max_rows // (slot_bytes // row_bytes))) * slot_bytes
 
 
 class _Rows(NamedTuple):
