@@ -146,6 +146,54 @@ def test_graph_replayed_capture_is_bitwise_and_never_announces_padding(
 
 @pytest.mark.gpu
 @requires_gpu
+def test_a_run_is_announced_only_after_the_next_replays_rows_are_planned(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
+) -> None:
+    """A decode run's slot event goes on the engine's stream when the run is announced. Announced while the replay
+    just launched still waits for its plan, that event waits for the replay, the replay for the host, and a block
+    producer waiting for credit or a send while the consumer waits for the event never moves again (the gpu suite
+    with every layer hung so on the H200). Every run here ends on a replayed step: none may be marked before it."""
+    pytest.importorskip("cupy")
+    batch = 8
+    model = Block().cuda().bfloat16()
+    static_x = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
+    producer = producer_for(gpu_config(endpoint, policy="block", slot_bytes=256 << 10, ring_bytes=512 << 10))
+    wait_attached(producer)
+    copy = producer.graph_rows()
+    assert copy is not None, "the graph copy's kernels did not compile"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_states = model(static_x)
+        copy.capture(static_states)
+    marked_while_pending: list[bool] = []
+    mark_written = producer.ring.mark_written
+
+    def watched(index: int, stream: int | None = None) -> None:
+        marked_while_pending.append(copy.pending)
+        mark_written(index, stream)
+
+    producer.ring.mark_written = watched  # type: ignore[method-assign]
+    owners = tuple(f"d{i}" for i in range(batch)), (1,) * batch
+    for step in range(100):  # runs of RUN_STEPS steps, and slots that fill first: each ends on a new replay
+        graph.replay()
+        copy.launched()
+        producer.capture_step(static_states, *owners, np.full(batch, step), np.full(batch, step))
+    for rid in owners[0]:
+        producer.finish_request(rid, num_tokens=100)
+    counters = producer.close()
+    assert consumer.wait(60) == 0 and not copy.failed
+    assert counters.rows_captured == 100 * batch and counters.rows_dropped == 0
+    assert len(marked_while_pending) > 5 and not any(marked_while_pending), marked_while_pending
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_fp8_on_the_gpu_gives_the_cpu_quantizers_bits(dtype: torch.dtype) -> None:
     """What the consumer of a CUDA ring stores equals what the writer threads store from a host ring:

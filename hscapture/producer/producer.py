@@ -163,26 +163,29 @@ class Producer(EngineProducer):
         positions = as_int64(positions, rows, "positions")
         token_ids = as_int64(token_ids, rows, "token_ids")
         self._serve_when_due()
-        if run is not None:
-            if (
-                row_index is None
-                and request_ids is run.step.request_ids
-                and request_rows is run.step.request_rows
-                and len(run.positions) < RUN_STEPS
-                and self._extend(run.step, states, spans, request_ids, request_rows, rows, replayed)
-            ):
-                run.positions.append(positions.copy())
-                run.token_ids.append(token_ids.copy())
-                return rows
-            self._close_run()
+        if run is not None and (
+            row_index is None
+            and request_ids is run.step.request_ids
+            and request_rows is run.step.request_rows
+            and len(run.positions) < RUN_STEPS
+            and self._extend(run.step, states, spans, request_ids, request_rows, rows, replayed)
+        ):
+            run.positions.append(positions.copy())
+            run.token_ids.append(token_ids.copy())
+            return rows
+        # This step's rows are planned before the run before it is announced: that run's event goes on the engine's
+        # stream, behind a replay whose copy waits for its plan. Announced first, a block producer could wait for
+        # credit or a send while the consumer waits for that event: neither would move again.
         if row_index is None and rows <= self._rows_per_slot and self._checks.same_owners(request_ids, request_rows):
             step = self._write_step(states, spans, request_ids, request_rows, None, rows, self._rows_per_slot)
             self._settle()
+            self._close_run()
             if step.written:
                 self._run = _Run(step, [positions.copy()], [token_ids.copy()])
             return step.written
         step = self._write_step(states, spans, request_ids, request_rows, row_index, rows)
         self._settle()
+        self._close_run()
         return self._announce_step(step, positions, token_ids)
 
     def write_step(
