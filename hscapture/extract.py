@@ -124,14 +124,14 @@ class ExtractOptions:
     #: ``hf`` (transformers, in this process), ``sglang`` (``sglang.Engine`` with the plugin) or ``vllm``
     #: (``vllm.LLM`` with the plugin; teacher mode).
     engine: str = field(default="hf", metadata=flag(choices=("hf", "sglang", "vllm")))
-    #: SGLang only: ``teacher`` (the data's tokens) or ``regenerate`` (the model writes the last turn).
+    #: SGLang and vLLM: ``teacher`` (the data's tokens) or ``regenerate`` (the model writes the last turn).
     mode: str = field(default="teacher", metadata=flag(choices=("teacher", "regenerate")))
-    #: SGLang regenerate mode: most tokens generated per sample.
+    #: Regenerate mode: most tokens generated per sample.
     max_new_tokens: int = 512
     #: SGLang on a GPU: copy decode rows from inside its decode CUDA graphs (no launch per step);
     #: --no-graph-copy: one launch per decode step from the forward hook.
     graph_copy: bool = True
-    #: SGLang regenerate mode: the sampling temperature.
+    #: Regenerate mode: the sampling temperature.
     temperature: float = 0.0
     #: SGLang and vLLM: more engine arguments (``hscapture extract ... -- ARGS``: SGLang's server arguments, as for
     #: ``serve``, or vLLM's engine arguments, as ``vllm serve`` takes them).
@@ -287,10 +287,8 @@ def check_options(options: ExtractOptions) -> Path:
         raise ValueError(f"--tokenize-workers: {options.tokenize_workers}; give 1 to 256 processes (1: none started)")
     if options.engine not in ENGINES:
         raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
-    if options.engine in ("hf", "vllm") and options.mode != "teacher":
-        raise ValueError(
-            f"--mode regenerate needs --engine sglang (the {options.engine} engine runs teacher forcing only, so far)"
-        )
+    if options.engine == "hf" and options.mode != "teacher":
+        raise ValueError("--mode regenerate needs --engine sglang or vllm (the HF engine runs teacher forcing only)")
     if options.engine == "vllm" and not Positions.parse(options.positions).everything:
         raise ValueError(f"--positions {options.positions}: --engine vllm captures every position, so far")
     if options.engine == "vllm":
@@ -342,7 +340,7 @@ def open_engine(options: ExtractOptions) -> OfflineEngine:
 
         return VLLMExtraction(
             options.model, options.layers, options.capture_last, options.dtype, options.device, options.mode,
-            options.max_batch_size, options.sglang_args,
+            options.max_batch_size, options.max_new_tokens, options.temperature, options.sglang_args,
         )  # fmt: skip
     if options.engine == "sglang":
         from hscapture.integrations.sglang_offline import SGLangExtraction

@@ -195,3 +195,35 @@ def test_other_architectures_store_the_layers_their_row_describes(
     errors = _check_against_hf(out, model, demo_data, hf_forward(model), limit=4)
     print(f"{run['architecture']} vs HF, worst relative L2 per tensor:", _worst(errors))
     assert max(errors.values()) < HF_AGREEMENT, errors
+
+
+def test_regenerate_stores_the_prompt_and_the_decoded_rows(
+    tiny_model: Path, demo_data: Path, hf_states: Callable, tmp_path: Path
+) -> None:
+    """Decode steps: one row per request per step, at ``num_computed_tokens``, its token the previous sample (the
+    host input ids of a sync-scheduled step); the last sample is never forwarded, so it has no row."""
+    from transformers import AutoTokenizer
+
+    from hscapture.data import regenerate_prompt
+
+    out = tmp_path / "store"
+    summary = _extract(tiny_model, demo_data, out, "--mode", "regenerate", "--max-new-tokens", "8", "--limit", "4")
+    assert summary["complete"] == 4 and summary["incomplete"] == 0
+    store = open_store(out)
+    errors: dict[str, float] = {}
+    decoded = 0
+    for sample in load_samples(demo_data, AutoTokenizer.from_pretrained(tiny_model), limit=4):
+        rows, prompt = store.get(sample.key), regenerate_prompt(sample)
+        ids = rows["input_ids"].tolist()
+        assert ids[: len(prompt)] == prompt and len(prompt) <= len(ids) <= len(prompt) + 7, sample.key
+        assert rows["positions"].tolist() == list(range(len(ids)))
+        generated = len(ids) - len(prompt)
+        assert rows["loss_mask"].tolist() == [0] * len(prompt) + [1] * generated
+        decoded += generated
+        hf = hf_states(ids)
+        for k in (2, 4, 5):
+            errors[f"{sample.key} layer_{k}"] = _relative_l2(rows[f"layer_{k}"], hf[k])
+        errors[f"{sample.key} last"] = _relative_l2(rows["last"], hf[-2])
+    assert decoded > 0, "no request decoded a row"
+    print(f"regenerate ({decoded} decoded rows) vs HF, worst relative L2 per tensor:", _worst(errors))
+    assert max(errors.values()) < HF_AGREEMENT, errors

@@ -89,6 +89,6 @@ def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path: Path) -> None
     assert not (tmp_path / "out").exists()
 
 
-def test_engine_vllm_refuses_regenerate_mode(tmp_path: Path) -> None:
-    code, err = cli_refusal("extract", "--engine", "vllm", "--mode", "regenerate", "--out", tmp_path / "out")
-    assert code != 0 and "the vllm engine runs teacher forcing only" in err
+def test_engine_vllm_captures_every_position_so_far(tmp_path: Path) -> None:
+    code, err = cli_refusal("extract", "--engine", "vllm", "--positions", "loss", "--out", tmp_path / "out")
+    assert code != 0 and "--engine vllm captures every position, so far" in err

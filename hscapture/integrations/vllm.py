@@ -218,7 +218,8 @@ class _Request:
 
     key: str
     prompt_len: int
-    loss_mask: list[tuple[int, int]]
+    #: The loss mask it was sent with (teacher mode); None: what it generates (regenerate mode, live serving).
+    loss_mask: list[tuple[int, int]] | None
     #: Positions 0..cached-1 were a prefix-cache hit at the first sight: never forwarded here.
     cached: int
     prompt: list[int]
@@ -353,7 +354,7 @@ class VLLMCapture:
         self.requests[new.req_id] = _Request(
             key=store_key(new.req_id, params),
             prompt_len=len(prompt),
-            loss_mask=[(int(a), int(b)) for a, b in extra.get(LOSS_MASK_ARG, [])],
+            loss_mask=[(int(a), int(b)) for a, b in extra[LOSS_MASK_ARG]] if LOSS_MASK_ARG in extra else None,
             cached=int(new.num_computed_tokens),
             prompt=prompt,
             state=runner.requests.get(new.req_id),
@@ -366,11 +367,14 @@ class VLLMCapture:
             return
         outputs = len(request.state.output_token_ids) if request.state is not None else 0
         num_tokens = request.prompt_len + outputs - 1 if outputs else request.sent_upto
+        loss_mask = request.loss_mask
+        if loss_mask is None:  # what it generated, less the last sample (never forwarded)
+            loss_mask = [(request.prompt_len, num_tokens)] if outputs > 1 else []
         self.producer.finish_request(
             request.key,
             reason,
             num_tokens=num_tokens,
-            loss_mask=request.loss_mask,
+            loss_mask=loss_mask,
             meta={"vllm_request_id": rid, "prompt_tokens": request.prompt_len, "output_tokens": outputs},
             prefix_token_ids=request.prompt[: request.cached],
         )

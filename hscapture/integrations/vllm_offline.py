@@ -2,9 +2,13 @@
 
 :class:`VLLMExtraction` is the ``vllm`` engine of ``hscapture extract``. vLLM's worker process runs
 the hscapture plugin (:mod:`hscapture.integrations.vllm`, block policy: nothing is lost) and a
-consumer process writes the store, as for SGLang. Teacher mode only, for now: each sample's token
-ids are prefilled as given and one generated token is discarded, so the store holds one row per
-dataset token, with the dataset's loss mask.
+consumer process writes the store, as for SGLang. Two modes:
+
+* ``teacher``: each sample's token ids are prefilled as given and one generated token is discarded, so
+  the store holds one row per dataset token, with the dataset's loss mask.
+* ``regenerate``: the target model writes the last assistant turn itself; the prompt (every token before
+  that turn's first trained token) and the generated tokens are both captured (the last sample is never
+  forwarded, so it has no row), and the loss mask covers the generated ones.
 
 Arguments after ``--`` are vLLM's own engine arguments (``vllm serve``'s flags, parsed by vLLM).
 """
@@ -17,12 +21,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from hscapture.data import Sample, loss_mask_ranges
+from hscapture.data import Sample, loss_mask_ranges, regenerate_prompt
 from hscapture.errors import HSCaptureError
 from hscapture.integrations.vllm import CLOSE_RPC, ENV, ID_ARG, LOSS_MASK_ARG, PluginSettings, engine_kwargs
 from hscapture.integrations.vllm_models import launch_plan
 
-MODES = ("teacher",)
+MODES = ("teacher", "regenerate")
 #: vLLM on a host without a GPU: what its CPU path runs with on a small host (no inductor compile, a small KV cache).
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 CPU_ENGINE_KWARGS: dict[str, Any] = {"enforce_eager": True}
@@ -64,8 +68,9 @@ class VLLMExtraction:
         capture_last: also capture the post-norm final state.
         dtype: the engine's dtype (None: the model's).
         device: ``cpu`` (vLLM's CPU path, vllm-cpu) or ``cuda``.
-        mode: ``teacher``.
+        mode: ``teacher`` or ``regenerate``.
         max_batch_size: samples per ``generate`` call.
+        max_new_tokens, temperature: regenerate mode's sampling.
         vllm_args: more vLLM engine arguments (``hscapture extract ... -- ARGS``).
 
     Raises:
@@ -82,10 +87,12 @@ class VLLMExtraction:
         device: str,
         mode: str,
         max_batch_size: int,
+        max_new_tokens: int = 512,
+        temperature: float = 0.0,
         vllm_args: Sequence[str] = (),
     ) -> None:
         if mode not in MODES:
-            raise ValueError(f"--mode {mode}: --engine vllm runs {' and '.join(MODES)} mode only, so far")
+            raise ValueError(f"--mode: {mode!r} is unknown; use one of {MODES}")
         import_vllm()
         from transformers import AutoTokenizer
 
@@ -98,6 +105,7 @@ class VLLMExtraction:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model_path, self.capture_last, self.dtype, self.device = model_path, capture_last, dtype, device
         self.mode, self.max_batch_size = mode, max_batch_size
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.vllm_args = list(vllm_args)
         self.engine_args = vllm_engine_args(self.vllm_args)
         self.meta: dict[str, Any] = {
@@ -143,7 +151,7 @@ class VLLMExtraction:
                     os.environ[name] = value
 
     def run(self, batch: list[Sample]) -> int:
-        """One ``generate`` call over a batch (prefill, one token sampled and discarded); returns the tokens captured.
+        """One ``generate`` call over a batch; returns the tokens captured.
 
         The consumer is checked before the call (the watchdog); during it, a consumer that died makes the
         producer's block wait time out, and the plugin ends the run with that error.
@@ -152,17 +160,25 @@ class VLLMExtraction:
         from vllm.inputs import TokensPrompt
 
         self._watchdog()
-        prompts = [TokensPrompt(prompt_token_ids=list(s.input_ids)) for s in batch]
-        params = [
-            SamplingParams(
-                max_tokens=1,
-                temperature=0.0,
-                extra_args={ID_ARG: s.key, LOSS_MASK_ARG: [list(r) for r in loss_mask_ranges(s.loss_mask)]},
-            )
-            for s in batch
-        ]
-        self.engine.generate(prompts, params, use_tqdm=False)
-        return sum(len(s.input_ids) for s in batch)
+        if self.mode == "teacher":
+            tokens = [list(s.input_ids) for s in batch]
+            params = [
+                SamplingParams(
+                    max_tokens=1,
+                    temperature=0.0,
+                    extra_args={ID_ARG: s.key, LOSS_MASK_ARG: [list(r) for r in loss_mask_ranges(s.loss_mask)]},
+                )
+                for s in batch
+            ]
+        else:
+            tokens = [regenerate_prompt(s) for s in batch]
+            params = [
+                SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature, extra_args={ID_ARG: s.key})
+                for s in batch
+            ]
+        prompts = [TokensPrompt(prompt_token_ids=t) for t in tokens]
+        outputs = self.engine.generate(prompts, params, use_tqdm=False)
+        return sum(len(t) + len(o.outputs[0].token_ids) - 1 for t, o in zip(tokens, outputs))
 
     def waited_s(self) -> float | None:
         return None  # the producer lives in vLLM's worker process
