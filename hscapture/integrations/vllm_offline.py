@@ -27,8 +27,11 @@ from hscapture.integrations.vllm import CLOSE_RPC, ENV, ID_ARG, LOSS_MASK_ARG, P
 from hscapture.integrations.vllm_models import launch_plan
 
 MODES = ("teacher", "regenerate")
+#: What the plugin captures from so far: vLLM's V1 model runner (V2 is the GPU default) with sync scheduling.
+ENV_DEFAULTS = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+ENGINE_DEFAULTS: dict[str, Any] = {"async_scheduling": False}
 #: vLLM on a host without a GPU: what its CPU path runs with on a small host (no inductor compile, a small KV cache).
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 CPU_ENGINE_KWARGS: dict[str, Any] = {"enforce_eager": True}
 
 
@@ -127,7 +130,7 @@ class VLLMExtraction:
             policy="block",
             meta={**self.meta, **meta},
         )
-        env = {ENV: settings.to_env(), **(CPU_ENV if self.device == "cpu" else {})}
+        env = {ENV: settings.to_env(), **ENV_DEFAULTS, **(CPU_ENV if self.device == "cpu" else {})}
         saved = {name: os.environ.get(name) for name in env}
         for name, value in env.items():
             if name == ENV or name not in os.environ:
@@ -138,6 +141,7 @@ class VLLMExtraction:
                 "model": str(self.model_path),
                 "dtype": self.dtype or "auto",
                 "max_num_seqs": self.max_batch_size,
+                **ENGINE_DEFAULTS,
                 **(CPU_ENGINE_KWARGS if self.device == "cpu" else {}),
                 **engine_kwargs(settings),
                 **self.engine_args,
