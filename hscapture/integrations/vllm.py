@@ -248,6 +248,8 @@ class VLLMCapture:
         self.enabled = True
         self.layers: tuple[int, ...] = ()
         self.requests: dict[str, _Request] = {}
+        #: The last step's store keys and rows per request, passed again as the same objects while they hold.
+        self._owners: tuple[tuple[str, ...], tuple[int, ...]] | None = None
 
     # -- patching ---------------------------------------------------------------------------------------------------
     def patch_worker(self, module: Any) -> None:
@@ -316,7 +318,11 @@ class VLLMCapture:
             states.append(state.hidden_states[:total])
         keys, keep = self._kept(rids, counts, positions)
         if keep is None:
-            self.producer.capture_step(states, keys, counts, positions, token_ids)
+            owners = (tuple(keys), tuple(counts))
+            if owners == self._owners:  # the very tuples of the step before: checked and encoded once, and decode
+                owners = self._owners  # steps of the same requests share a slot and one announcement
+            self._owners = owners
+            self.producer.capture_step(states, owners[0], owners[1], positions, token_ids)
             return
         rows = np.flatnonzero(keep)
         if not len(rows):
