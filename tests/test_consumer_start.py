@@ -25,32 +25,47 @@ from tests.storefeed import Feed, make_layout, make_request
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_run_begins_once_its_first_buffer_is_ready_not_all_of_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Touching a buffer made slow (as first writes are on a loaded host): begin_run returns once the first buffer
-    is touched (the producer may send rows from then on), the others are touched behind it, and every row lands
-    where it belongs."""
-    touched: list[float] = []
+@pytest.fixture
+def touched(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """When each shard buffer was touched, touching made slow (0.4 s, as first writes are on a loaded host)."""
+    times: list[float] = []
 
     def slow_touch(buffer: ShardBuffer) -> ShardBuffer:
         time.sleep(0.4)
-        touched.append(time.monotonic())
+        times.append(time.monotonic())
         return buffer
 
     monkeypatch.setattr(writer_module, "touch", slow_touch)
+    return times
+
+
+def test_a_run_begins_once_its_first_buffer_is_ready_not_all_of_them(tmp_path: Path, touched: list[float]) -> None:
+    """begin_run returns once the first buffer is touched (the producer may send rows from then on), the others
+    are touched behind it, and every row lands where it belongs."""
     writer = StoreWriter(tmp_path / "store", shard_bytes=1 << 20, writer_threads=2, shard_buffers=4)
     started = time.monotonic()
     writer.begin_run(*make_layout())
     begun = time.monotonic() - started
     assert len(touched) == 1 and begun < 0.75, f"begin_run waited {begun:.2f} s, {len(touched)} buffers touched"
+    deadline = time.monotonic() + 30
+    while len(touched) < 4 and time.monotonic() < deadline:  # the others, behind it
+        time.sleep(0.05)
+    assert len(touched) == 4, f"{len(touched)} of 4 buffers touched after 30 s"
     rng = np.random.default_rng(1)
     feed = Feed(writer, {"a": make_request(40, "float32", rng)})
     feed.chunk([("a", range(40))])
     feed.finish("a", num_tokens=40)
     writer.close()
-    assert len(touched) == 4
     assert torch.equal(open_store(tmp_path / "store").get("a")["layer_2"], feed.requests["a"].rows[0])
+
+
+def test_a_run_for_a_drop_producer_begins_with_every_buffer_touched(tmp_path: Path, touched: list[float]) -> None:
+    """``ready`` (a drop producer's run): begin_run returns only once every buffer is touched, so the first rows
+    meet no page fault and nothing of the store's start-up competes with them."""
+    writer = StoreWriter(tmp_path / "store", shard_bytes=1 << 20, writer_threads=2, shard_buffers=4)
+    writer.begin_run(*make_layout(), ready=True)
+    assert len(touched) == 4
+    writer.close()
 
 
 def test_consume_imports_no_extraction_export_or_serving() -> None:

@@ -298,7 +298,9 @@ class Consumer:
             if self.config.direct_io == "auto":  # O_DIRECT spares CPU time where the engine's cores are the limit
                 self.store.direct.use(isinstance(ring, HostRingReader))
             allocate = huge_pages if isinstance(ring, HostRingReader) else ring.allocate  # pinned for a CUDA ring
-            self.store.begin_run(layout.run_id, geometry, layout.meta, allocate=allocate, quantized=quantized)
+            # A drop producer loses what is not taken at once: its consumer attaches with everything ready.
+            ready = layout.policy == "drop"
+            self.store.begin_run(layout.run_id, geometry, layout.meta, allocate, quantized, ready)
             if isinstance(ring, CudaRingReader) and on_gpu:
                 self._quantizer = DeviceQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows)
             elif isinstance(ring, HostRingReader) and on_host:

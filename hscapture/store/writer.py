@@ -12,10 +12,12 @@ is listed. So a crash at any moment leaves an index that lists only complete sha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -224,6 +226,11 @@ class StoreWriter:
         self._pool.submit(crc_kernel)
         self._free: queue.SimpleQueue[ShardBuffer] = queue.SimpleQueue()
         self._buffers_made = 0
+        #: Buffers made and not touched yet, the background toucher's work; a reservation that finds no touched
+        #: buffer free takes one of these at once (its first writes fault) rather than wait.
+        self._untouched: list[ShardBuffer] = []
+        self._untouched_lock = threading.Lock()
+        self._toucher: threading.Thread | None = None
         self._buffers_quantized = False
         self._writing: dict[int, Future[dict[str, Any]]] = {}
         self._waiting: dict[int, _Shard] = {}  # sealed, some rows not committed yet
@@ -286,6 +293,7 @@ class StoreWriter:
         meta: dict[str, Any],
         allocate: Callable[[int], np.ndarray] | None = None,
         quantized: bool = False,
+        ready: bool = False,
     ) -> None:
         """Start writing rows of a run; the store's tensors must match earlier runs.
 
@@ -299,6 +307,10 @@ class StoreWriter:
                 counts, bit for bit what :func:`hscapture.fp8.quantize_rows` gives, and each row's
                 CRC-32; see :class:`Rows`), e.g. quantized on the GPU before the copy out, or where they
                 lie in a host ring. Only in an fp8 store.
+            ready: return only once every shard buffer is touched and the row checksums are compiled, for a
+                producer that drops what is not taken at once (``drop``): seconds of a 2-core host, but from then
+                on the rows meet no page fault and no compiler holding the GIL. By default the run begins once its
+                first buffer is ready and the rest follows behind the rows, for a producer that waits (``block``).
 
         Raises:
             StoreError: the store holds other tensors.
@@ -322,6 +334,7 @@ class StoreWriter:
         if allocate is not None:
             self._allocate = allocate
         self._size_writers()
+        self._stop_toucher()  # between runs: the buffers it had left are made again as this run needs them
         if quantized != self._buffers_quantized:  # buffers of the other shape: every one is free between runs
             while not self._free.empty():
                 self._free.get_nowait()
@@ -339,32 +352,65 @@ class StoreWriter:
         )
         self._index.append([{"type": "run", "run_id": run_id, "time": time.time(), "meta": meta}])
         self._index.flush()  # once per run: the run is on record before its first rows
-        self._prepare(quantized)
+        self._prepare(quantized, ready)
 
-    def _prepare(self, quantized: bool) -> None:
-        """Make the shard buffers missing, and return once the first is ready for rows: they are allocated on this
-        thread (pinned memory is pinned where the ring's copies are issued) and touched (a fresh page faults on its
-        first write: never under the rows), the first here, the others one after another on a writer thread, each
-        free for rows once touched. The row checksums compile meanwhile, on a writer thread since the store
-        opened (shards written before are checksummed by zlib: the same bits, never a write held back), and so
-        does the quantizer where the writers quantize (their first shard waits for it). The run's begin waited
-        for all of it, seconds of a 2-core host's start-up before the producer could send a row."""
+    def _prepare(self, quantized: bool, ready: bool) -> None:
+        """Make the shard buffers missing: allocated on this thread (pinned memory is pinned where the ring's copies
+        are issued) and touched (a fresh page faults on its first write: never under the rows).
+
+        ``ready`` (:meth:`begin_run`): return once all are touched, side by side on the writer threads, and the
+        row checksums and the quantizer are compiled. Else return once the first is touched: the others are
+        touched one after another on a thread of their own at the lowest CPU priority, each free for rows once
+        touched, and the compiles run on the writer threads (shards written before the checksums' kernel is
+        built use zlib, the same bits; a writer's first quantized shard waits for the quantizer). Waiting for
+        all of it took seconds of a 2-core host's start-up before a producer could send a row.
+        """
         run = self._require_run()
         fresh = [self._new_buffer(run) for _ in range(self.shard_buffers - self._buffers_made)]
+        quantizer = self._pool.submit(host_kernels) if self.fp8 and not quantized else None
+        if ready:
+            for buffer in self._pool.map(touch, fresh):
+                self._free.put(buffer)
+            crc_kernel()
+            if quantizer is not None:
+                quantizer.result()
+            return
         if fresh:
-            self._touch_and_free(fresh[:1])
-            self._pool.submit(self._touch_and_free, fresh[1:])
-        if self.fp8 and not quantized:
-            self._pool.submit(host_kernels)
+            self._free.put(touch(fresh[0]))
+        if fresh[1:]:
+            with self._untouched_lock:
+                self._untouched.extend(fresh[1:])
+            self._toucher = threading.Thread(target=self._touch_untouched, name="hscapture-touch", daemon=True)
+            self._toucher.start()
 
-    def _touch_and_free(self, buffers: list[ShardBuffer]) -> None:
-        """Touch ``buffers`` one after another, each free for rows once touched (touched side by side, the first
-        would be ready only when all are)."""
-        for buffer in buffers:
+    def _touch_untouched(self) -> None:
+        """Touch the untouched buffers one after another, each free for rows once touched, on this thread at the
+        lowest priority (Linux gives a thread its own nice value): the rows' own work goes first."""
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:
+            with self._untouched_lock:
+                if not self._untouched:
+                    return
+                buffer = self._untouched.pop(0)
             try:
                 touch(buffer)
             finally:  # untouched if it failed: slower first writes, never a buffer lost
                 self._free.put(buffer)
+
+    def _stop_toucher(self) -> None:
+        """Drop the buffers the toucher has not reached (counted as never made) and wait for the one in its hands."""
+        with self._untouched_lock:
+            self._buffers_made -= len(self._untouched)
+            self._untouched.clear()
+        if self._toucher is not None:
+            self._toucher.join()
+            self._toucher = None
+
+    def _take_untouched(self) -> ShardBuffer | None:
+        """A buffer the toucher has not reached yet, for rows that need one now."""
+        with self._untouched_lock:
+            return self._untouched.pop() if self._untouched else None
 
     def _sizes(self) -> tuple[int, int]:
         """Writer threads and shard buffers: as asked, else by how row planes go out now."""
@@ -423,7 +469,7 @@ class StoreWriter:
             raise ValueError(f"rows: {rows}; reserve at least one")
         room = 0 if self._shard is None else run.rows_per_shard - self._shard.reserved
         needed = -(-(rows - room) // run.rows_per_shard) if rows > room else 0
-        if not wait and needed > self._free.qsize() + self.shard_buffers - self._buffers_made:
+        if not wait and needed > self._free.qsize() + len(self._untouched) + self.shard_buffers - self._buffers_made:
             return None
         pieces: list[Rows] = []
         left = rows
@@ -513,6 +559,7 @@ class StoreWriter:
         try:
             self.end_run(reason, {})
         finally:
+            self._stop_toucher()
             self._pool.shutdown(wait=True)
             try:
                 self._index.close()
@@ -583,6 +630,9 @@ class StoreWriter:
             return self._free.get_nowait()
         except queue.Empty:
             pass
+        untouched = self._take_untouched()
+        if untouched is not None:
+            return untouched
         if self._buffers_made < self.shard_buffers or all(f.done() for f in self._writing.values()):
             # Past the limit only when no write could free one: the rest wait for this reservation's
             # commits (rows spanning more shards than there are buffers).
