@@ -227,3 +227,44 @@ def test_regenerate_stores_the_prompt_and_the_decoded_rows(
     assert decoded > 0, "no request decoded a row"
     print(f"regenerate ({decoded} decoded rows) vs HF, worst relative L2 per tensor:", _worst(errors))
     assert max(errors.values()) < HF_AGREEMENT, errors
+
+
+def test_an_abort_is_stored_aborted_and_a_length_cap_finished(
+    tiny_model: Path, endpoint: str, start_consumer: Callable, tmp_path: Path
+) -> None:
+    """Why a request ended is known in vLLM's scheduler (EngineCore), not in the worker that captures it: the
+    scheduler's notes ride with the next step's finished ids, so a third request keeps vLLM stepping after the abort
+    (an engine closed first ends its open requests itself). A request aborted mid-decode has every row it forwarded,
+    and is still not complete."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from hscapture.integrations.vllm_offline import VLLMExtraction
+
+    out = tmp_path / "store"
+    consumer = start_consumer(out, endpoint, "--exit-on-eos")
+    prompt = TokensPrompt(prompt_token_ids=AutoTokenizer.from_pretrained(tiny_model).encode("one request is cut"))
+    extraction = VLLMExtraction(tiny_model, None, True, None, "cpu", "regenerate", max_batch_size=2)
+    extraction.start(endpoint, {}, lambda: None)
+    try:
+        engine = extraction.engine.llm_engine
+        engine.add_request("capped", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.add_request("cut", prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+        engine.add_request("after", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+        finished: set[str] = set()
+        while "capped" not in finished:
+            finished |= {output.request_id for output in engine.step() if output.finished}
+        engine.abort_request(["cut"])
+        while engine.has_unfinished_requests():
+            engine.step()
+        extraction.end()
+    finally:
+        extraction.shutdown()
+    assert consumer.wait(120) == 0
+    store = open_store(out)
+    capped, cut = store.record("capped"), store.record("cut")
+    ended = (cut["status"], cut["reason"], cut["meta"].get("vllm_status"))
+    assert ended == ("incomplete", "aborted", "FINISHED_ABORTED"), cut
+    assert (capped["status"], capped["meta"]["vllm_status"]) == ("complete", "FINISHED_LENGTH_CAPPED"), capped
+    assert cut["rows"] == cut["num_tokens"] > capped["num_tokens"], cut  # every row it forwarded, past the capped one

@@ -92,6 +92,25 @@ def test_the_scheduler_output_the_hook_reads() -> None:
     }
 
 
+def test_the_scheduler_hooks_and_the_finish_notes_they_send() -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import core, output_processor
+    from vllm.v1.request import RequestStatus
+
+    assert _params(Scheduler._free_request)[:2] == ["self", "request"]
+    assert "self.finished_req_ids.add(request_id)" in inspect.getsource(Scheduler._free_request)
+    assert "finished_req_ids=self.finished_req_ids" in inspect.getsource(Scheduler.schedule)
+    for name in ("_free_request", "schedule"):
+        assert name not in vars(AsyncScheduler), f"AsyncScheduler overrides {name}: the hook misses it"
+    assert "__slots__" not in vars(SchedulerOutput)  # the notes ride on it as an attribute, pickled to the workers
+    assert "RequestStatus.FINISHED_ABORTED" in inspect.getsource(core.EngineCore.abort_requests)
+    assert {"FINISHED_ABORTED", "FINISHED_ERROR"} <= set(RequestStatus.__members__)
+    # A stop string is matched in the front-end process, which aborts the request in the engine: stored aborted.
+    assert "reqs_to_abort.append(req_id)" in inspect.getsource(output_processor)
+
+
 def test_request_state_and_ids() -> None:
     from vllm.v1.engine import input_processor
     from vllm.v1.worker.gpu_input_batch import CachedRequestState

@@ -2,8 +2,8 @@
 
 vLLM loads every entry point of the ``vllm.general_plugins`` group in each of its processes,
 workers included, before the worker class is resolved. This one is inert unless :data:`ENV`
-holds capture settings; then it wraps three functions when their modules are imported (vLLM
-has no hook registry, so these are plain wrappers; no vLLM source edit):
+holds capture settings; then it wraps functions of vLLM when their modules are imported (vLLM
+has no hook registry, so these are plain wrappers; no vLLM source edit). In the worker:
 
 * AFTER ``Worker.load_model`` (``v1/worker/gpu_worker.py``; the CPU worker inherits it): the model
   is loaded and nothing has been traced or captured yet. The plugin checks the model against
@@ -20,14 +20,23 @@ has no hook registry, so these are plain wrappers; no vLLM source edit):
   overwrites them. Requests in ``finished_req_ids`` are ended first (their rows came in earlier steps).
 * AFTER ``Worker.shutdown``: the producer closes with end of stream.
 
+Why a request ended is known in EngineCore's scheduler only, so two more wrap it there:
+
+* AFTER ``Scheduler._free_request`` (``v1/core/sched/scheduler.py``; every stop, length cap and abort frees the
+  request there): note its ``RequestStatus``.
+* AFTER ``Scheduler.schedule``: the step's ``SchedulerOutput`` carries the notes (:data:`ENDS_ATTR`) beside its
+  ``finished_req_ids``, the requests freed since the step before; it reaches the worker pickled, extra attribute and
+  all, and an abort is stored ``aborted`` (:func:`finish_reason`).
+
 ``LLM.collective_rpc(CLOSE_RPC)`` (a method the plugin adds to ``Worker``) closes the producer cleanly before an
 offline engine stops.
 
 Not yet (refused at model load, with the reason): vLLM's V2 model runner (the GPU default; set
 ``VLLM_USE_V2_MODEL_RUNNER=0``), async scheduling (the host input ids are placeholders for decode
 rows then; ``--no-async-scheduling``), speculative decoding, pipeline parallelism, pooling models,
-prompt embeddings. The finish reason is not known in the worker: every end is ``finished``, and the
-store judges completeness from the rows a request should have (prompt + outputs - 1).
+prompt embeddings. A stop string ends a request as an abort: vLLM detects stop strings in its front-end
+process and aborts the request in the engine, so such a request is stored ``aborted`` too (its meta says
+``stop_strings``).
 """
 
 from __future__ import annotations
@@ -63,6 +72,9 @@ RING_SLOTS = 8
 
 _WORKER = "vllm.v1.worker.gpu_worker"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+#: ``SchedulerOutput`` attribute set in EngineCore: ``{request id: RequestStatus name}`` of the requests it finishes.
+ENDS_ATTR = "hscapture_ends"
 
 
 @dataclass
@@ -131,6 +143,7 @@ def load_plugin() -> None:
     capture = _CAPTURE = VLLMCapture(PluginSettings.from_env(raw))
     when_imported(_WORKER, capture.patch_worker)
     when_imported(_RUNNER, capture.patch_runner)
+    when_imported(_SCHEDULER, capture.patch_scheduler)
 
 
 def close_capture(worker: Any) -> None:
@@ -212,6 +225,12 @@ def step_rows(
     return counts, np.arange(total, dtype=np.int64) + np.repeat(offsets, lengths)
 
 
+def finish_reason(status: str) -> str:
+    """The store's finish reason for a vLLM ``RequestStatus`` name: ``aborted`` (the client went away, the engine
+    stopped, or a stop string matched), ``error``, else ``finished`` (a stop token, a length cap)."""
+    return {"FINISHED_ABORTED": "aborted", "FINISHED_ERROR": "error"}.get(status, "finished")
+
+
 @dataclass
 class _Request:
     """What the worker keeps of a running request."""
@@ -223,6 +242,8 @@ class _Request:
     #: Positions 0..cached-1 were a prefix-cache hit at the first sight: never forwarded here.
     cached: int
     prompt: list[int]
+    #: It was sent with stop strings (which vLLM ends as aborts).
+    stop_strings: bool
     #: The runner's ``CachedRequestState``: its ``output_token_ids`` grow as the request decodes.
     state: Any
     #: Next position not sent yet (a preempted request's re-prefill sends nothing twice).
@@ -250,6 +271,8 @@ class VLLMCapture:
         self.requests: dict[str, _Request] = {}
         #: The last step's store keys and rows per request, passed again as the same objects while they hold.
         self._owners: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+        #: In EngineCore: the status of each request freed since the last ``schedule``.
+        self._ends: dict[str, str] = {}
 
     # -- patching ---------------------------------------------------------------------------------------------------
     def patch_worker(self, module: Any) -> None:
@@ -259,6 +282,10 @@ class VLLMCapture:
 
     def patch_runner(self, module: Any) -> None:
         _after(module.GPUModelRunner, "execute_model", self.after_execute_model)
+
+    def patch_scheduler(self, module: Any) -> None:
+        _after(module.Scheduler, "_free_request", self.after_free_request)
+        _after(module.Scheduler, "schedule", self.after_schedule)
 
     # -- hooks ------------------------------------------------------------------------------------------------------
     def after_load_model(self, worker: Any, result: Any, *args: Any, **kwargs: Any) -> None:
@@ -295,10 +322,21 @@ class VLLMCapture:
         except Exception as exc:
             self._fail(exc)
 
+    def after_free_request(self, scheduler: Any, result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        self._ends[request.request_id] = request.status.name
+
+    def after_schedule(self, scheduler: Any, output: Any, *args: Any, **kwargs: Any) -> None:
+        """The notes go with the ``finished_req_ids`` they explain: both hold what was freed since the last step."""
+        if self._ends:
+            setattr(output, ENDS_ATTR, self._ends)
+            self._ends = {}
+
     # -- work -------------------------------------------------------------------------------------------------------
     def _step(self, runner: Any, result: Any, scheduler_output: Any) -> None:
+        ends = getattr(scheduler_output, ENDS_ATTR, {})
         for rid in scheduler_output.finished_req_ids:
-            self._finish(rid, "finished")
+            status = ends.get(rid, "")
+            self._finish(rid, finish_reason(status), status)
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id not in self.requests:
                 self._add(runner, new)
@@ -363,11 +401,14 @@ class VLLMCapture:
             loss_mask=[(int(a), int(b)) for a, b in extra[LOSS_MASK_ARG]] if LOSS_MASK_ARG in extra else None,
             cached=int(new.num_computed_tokens),
             prompt=prompt,
+            stop_strings=bool(params.stop),
             state=runner.requests.get(new.req_id),
             sent_upto=int(new.num_computed_tokens),
         )
 
-    def _finish(self, rid: str, reason: str) -> None:
+    def _finish(self, rid: str, reason: str, status: str = "") -> None:
+        """End ``rid`` with ``reason``; ``status``: vLLM's ``RequestStatus`` name, kept in its meta ("" where the
+        engine closed before the step that would have brought it)."""
         request = self.requests.pop(rid, None)
         if request is None:
             return
@@ -381,7 +422,13 @@ class VLLMCapture:
             reason,
             num_tokens=num_tokens,
             loss_mask=loss_mask,
-            meta={"vllm_request_id": rid, "prompt_tokens": request.prompt_len, "output_tokens": outputs},
+            meta={
+                "vllm_request_id": rid,
+                "vllm_status": status,
+                "stop_strings": request.stop_strings,
+                "prompt_tokens": request.prompt_len,
+                "output_tokens": outputs,
+            },
             prefix_token_ids=request.prompt[: request.cached],
         )
 
