@@ -246,7 +246,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "and 200 demo conversations, so it runs anywhere without downloads.",
     )
     flags(ext, "extract")
-    ext.add_argument("sglang_args", nargs=argparse.REMAINDER, help="sglang: -- then more SGLang server arguments")
+    ext.add_argument("sglang_args", nargs=argparse.REMAINDER, help="sglang, vllm: -- then more engine arguments")
 
     con = commands.add_parser(
         "consume",

@@ -8,6 +8,7 @@ received and the allowed range.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -506,3 +507,39 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
     if value < low or (high is not None and value > high):
         allowed = f">= {low}" if high is None else f"in {low}..{high}"
         raise ValueError(f"{name}: {value} is out of range; must be {allowed}")
+
+
+def read_model_config(model: Path | str) -> dict[str, Any]:
+    """config.json of a model, read as JSON (not by transformers: Kimi-K2.5's model type is an engine's own).
+
+    ``model`` is a local directory, or a hub id whose config.json is fetched the way the engines
+    fetch the model (huggingface_hub's cache; ``HF_HUB_OFFLINE`` respected).
+    """
+    path = Path(model) / "config.json"
+    if not Path(model).exists():
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(str(model), "config.json"))
+        except Exception as exc:
+            raise ValueError(
+                f"model {str(model)!r}: no such directory, and no config.json on the hub ({exc})"
+            ) from None
+    try:
+        values = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"model {str(model)!r} has no config.json; give a HF model directory") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not readable as JSON ({exc})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return values
+
+
+def num_layers_of(config: dict[str, Any]) -> int:
+    """Decoder layers of the (text) model: ``text_config.num_hidden_layers`` for multimodal wrappers."""
+    text = config.get("text_config") or config
+    layers = text.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers <= 0:
+        raise ValueError(f"config.json: no positive num_hidden_layers (got {layers!r})")
+    return layers

@@ -560,3 +560,10 @@ def pad_batch(batch: Sequence[Sample], pad_id: int, length: int | None = None) -
         input_ids[row, :n] = torch.tensor(sample.input_ids, dtype=torch.int64)
         attention_mask[row, :n] = 1
     return input_ids, attention_mask
+
+
+def regenerate_prompt(sample: Sample) -> list[int]:
+    """The tokens before the last run of trained tokens (the final assistant turn): what an engine's regenerate mode
+    prompts with."""
+    ranges = loss_mask_ranges(sample.loss_mask)
+    return sample.input_ids[: ranges[-1][0]] if ranges else list(sample.input_ids)

@@ -4,7 +4,8 @@ Engine-neutral: the job (resume, the consumer process, batches, progress, the su
 here; an engine adapter from :mod:`hscapture.integrations` runs the model (``hf``:
 :class:`~hscapture.integrations.hf.HFExtraction`, transformers in this process; ``sglang``:
 :class:`~hscapture.integrations.sglang_offline.SGLangExtraction`, ``sglang.Engine`` with the
-plugin). The producer side captures with the block policy (nothing is lost) and a consumer in
+plugin; ``vllm``: :class:`~hscapture.integrations.vllm_offline.VLLMExtraction`, ``vllm.LLM`` with
+its plugin). The producer side captures with the block policy (nothing is lost) and a consumer in
 its own process (``hscapture consume``) writes the store, exactly as in streaming capture. Each
 record is one request keyed by its id. A rerun over the same data skips every sample the store
 already holds complete, so an interrupted extraction resumes without duplicating or losing samples.
@@ -66,7 +67,7 @@ from hscapture.store.reader import Store, open_store
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("hf", "sglang")
+ENGINES = ("hf", "sglang", "vllm")
 
 
 @dataclass
@@ -120,18 +121,20 @@ class ExtractOptions:
     progress: bool = True
     #: Extra arguments for the consumer process (e.g. ``["--delay-ms", "5"]`` in tests).
     consumer_args: list[str] = field(default_factory=list)
-    #: ``hf`` (transformers, in this process) or ``sglang`` (``sglang.Engine`` with the plugin).
-    engine: str = field(default="hf", metadata=flag(choices=("hf", "sglang")))
-    #: SGLang only: ``teacher`` (the data's tokens) or ``regenerate`` (the model writes the last turn).
+    #: ``hf`` (transformers, in this process), ``sglang`` (``sglang.Engine`` with the plugin) or ``vllm``
+    #: (``vllm.LLM`` with the plugin; teacher mode).
+    engine: str = field(default="hf", metadata=flag(choices=("hf", "sglang", "vllm")))
+    #: SGLang and vLLM: ``teacher`` (the data's tokens) or ``regenerate`` (the model writes the last turn).
     mode: str = field(default="teacher", metadata=flag(choices=("teacher", "regenerate")))
-    #: SGLang regenerate mode: most tokens generated per sample.
+    #: Regenerate mode: most tokens generated per sample.
     max_new_tokens: int = 512
     #: SGLang on a GPU: copy decode rows from inside its decode CUDA graphs (no launch per step);
     #: --no-graph-copy: one launch per decode step from the forward hook.
     graph_copy: bool = True
-    #: SGLang regenerate mode: the sampling temperature.
+    #: Regenerate mode: the sampling temperature.
     temperature: float = 0.0
-    #: SGLang only: more SGLang server arguments (``hscapture extract ... -- ARGS``, as for ``serve``).
+    #: SGLang and vLLM: more engine arguments (``hscapture extract ... -- ARGS``: SGLang's server arguments, as for
+    #: ``serve``, or vLLM's engine arguments, as ``vllm serve`` takes them).
     sglang_args: list[str] = field(default_factory=list)
     #: Let this group read the store (directory setgid 2750, files 0640); by default it is private
     #: to you (0700, 0600), or shared as an existing store already is.
@@ -285,7 +288,13 @@ def check_options(options: ExtractOptions) -> Path:
     if options.engine not in ENGINES:
         raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
     if options.engine == "hf" and options.mode != "teacher":
-        raise ValueError("--mode regenerate needs --engine sglang (the HF engine runs teacher forcing only)")
+        raise ValueError("--mode regenerate needs --engine sglang or vllm (the HF engine runs teacher forcing only)")
+    if options.engine == "vllm" and not Positions.parse(options.positions).everything:
+        raise ValueError(f"--positions {options.positions}: --engine vllm captures every position, so far")
+    if options.engine == "vllm":
+        from hscapture.integrations.vllm_offline import import_vllm
+
+        import_vllm()  # not installed: said now, before the store or the consumer
     check_batching(options.max_batch_tokens, options.max_batch_size, options.pad_to_multiple, as_flags=True)
     if options.engine == "hf" and options.sglang_args:
         raise ValueError(f"{' '.join(options.sglang_args)}: arguments after -- are SGLang's; they need --engine sglang")
@@ -326,6 +335,13 @@ def open_engine(options: ExtractOptions) -> OfflineEngine:
     Raises:
         ValueError: a bad model directory, dtype or layer id.
     """
+    if options.engine == "vllm":
+        from hscapture.integrations.vllm_offline import VLLMExtraction
+
+        return VLLMExtraction(
+            options.model, options.layers, options.capture_last, options.dtype, options.device, options.mode,
+            options.max_batch_size, options.max_new_tokens, options.temperature, options.sglang_args,
+        )  # fmt: skip
     if options.engine == "sglang":
         from hscapture.integrations.sglang_offline import SGLangExtraction
 
@@ -583,7 +599,7 @@ def plan(options: ExtractOptions, samples: Sequence[Sample]) -> list[list[Sample
     """The batches the engine runs, in order: a function of the options and samples alone (no model), so the
     parent of ``--data-parallel`` jobs plans for them. HF: :func:`~hscapture.data.plan_batches` under the
     batch limits; SGLang: ``--max-batch-size`` samples per ``generate`` call."""
-    if options.engine == "sglang":
+    if options.engine in ("sglang", "vllm"):
         size = options.max_batch_size
         return [list(samples[i : i + size]) for i in range(0, len(samples), size)]
     return plan_batches(samples, options.max_batch_tokens, options.max_batch_size, options.pad_to_multiple)

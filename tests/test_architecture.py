@@ -29,6 +29,7 @@ TIERS: list[tuple[str, dict[str, list[str]]]] = [
             "integrations": ["hscapture.integrations"],
             "hf": ["hscapture.integrations.hf"],
             "sglang": ["hscapture.integrations.sglang*"],
+            "vllm": ["hscapture.integrations.vllm*"],
         },
     ),
     (

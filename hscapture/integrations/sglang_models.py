@@ -20,7 +20,6 @@ before SGLang starts; the plugin checks SGLang's model against the same row when
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hscapture.config import eagle3_default_layers, resolve_layers
+from hscapture.config import num_layers_of as num_layers_of  # moved to config: vLLM's table reads them too
+from hscapture.config import read_model_config as read_model_config
 
 log = logging.getLogger(__name__)
 
@@ -134,42 +135,6 @@ def architecture(name: str) -> Architecture:
             f"so it cannot describe what it would store; supported: {', '.join(sorted(ARCHITECTURES))} "
             "(hscapture/integrations/sglang_models.py lists what each one captures)"
         ) from None
-
-
-def read_model_config(model: Path | str) -> dict[str, Any]:
-    """config.json of a model, read as JSON (not by transformers: Kimi-K2.5's model type is SGLang's own).
-
-    ``model`` is a local directory, or a hub id whose config.json is fetched the way SGLang
-    fetches the model (huggingface_hub's cache; ``HF_HUB_OFFLINE`` respected).
-    """
-    path = Path(model) / "config.json"
-    if not Path(model).exists():
-        try:
-            from huggingface_hub import hf_hub_download
-
-            path = Path(hf_hub_download(str(model), "config.json"))
-        except Exception as exc:
-            raise ValueError(
-                f"model {str(model)!r}: no such directory, and no config.json on the hub ({exc})"
-            ) from None
-    try:
-        values = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"model {str(model)!r} has no config.json; give a HF model directory") from None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not readable as JSON ({exc})") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return values
-
-
-def num_layers_of(config: dict[str, Any]) -> int:
-    """Decoder layers of the (text) model: ``text_config.num_hidden_layers`` for multimodal wrappers."""
-    text = config.get("text_config") or config
-    layers = text.get("num_hidden_layers")
-    if not isinstance(layers, int) or layers <= 0:
-        raise ValueError(f"config.json: no positive num_hidden_layers (got {layers!r})")
-    return layers
 
 
 def capture_layers(arch: Architecture, num_layers: int, layers: str | Sequence[int] | None) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hscapture.data import Sample, loss_mask_ranges
+from hscapture.data import regenerate_prompt as regenerate_prompt  # moved to data: vLLM's engine uses it too
 from hscapture.errors import HSCaptureError
 from hscapture.integrations.sglang import (
     CLOSE_RPC,
@@ -40,12 +41,6 @@ from hscapture.selection import Positions
 MODES = ("teacher", "regenerate")
 #: How often a running ``generate`` call checks that the consumer still lives.
 _WATCH_S = 0.2
-
-
-def regenerate_prompt(sample: Sample) -> list[int]:
-    """The tokens before the last run of trained tokens (the final assistant turn)."""
-    ranges = loss_mask_ranges(sample.loss_mask)
-    return sample.input_ids[: ranges[-1][0]] if ranges else list(sample.input_ids)
 
 
 class SGLangExtraction:

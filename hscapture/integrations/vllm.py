@@ -1,0 +1,517 @@
+"""vLLM integration: a general plugin that captures from inside vLLM's worker process.
+
+vLLM loads every entry point of the ``vllm.general_plugins`` group in each of its processes,
+workers included, before the worker class is resolved. This one is inert unless :data:`ENV`
+holds capture settings; then it wraps functions of vLLM when their modules are imported (vLLM
+has no hook registry, so these are plain wrappers; no vLLM source edit). In the worker:
+
+* AFTER ``Worker.load_model`` (``v1/worker/gpu_worker.py``; the CPU worker inherits it): the model
+  is loaded and nothing has been traced or captured yet. The plugin checks the model against
+  :mod:`hscapture.integrations.vllm_models`, sets its aux layers
+  (``model.set_aux_hidden_state_layers``) and turns on the runner's
+  ``use_aux_hidden_state_outputs`` (what vLLM's EAGLE-3 drafter does, without a drafter), then
+  starts the producer on tensor-parallel rank 0 (the states are replicated across TP ranks).
+* AFTER the V1 runner's ``GPUModelRunner.execute_model``: the forward ran and its outputs wait
+  in ``runner.execute_model_state`` for ``sample_tokens``. The rows are contiguous blocks in
+  ``input_batch.req_ids`` order, ``num_scheduled_tokens[rid]`` rows each, at positions
+  ``num_computed_tokens_cpu[i] + j``; their token ids are the runner's host ``input_ids`` buffer.
+  All host state: no device tensor is read. The aux states and the post-norm final state are
+  copied into the ring at once (``EngineProducer.capture_step``), before the next forward
+  overwrites them. Requests in ``finished_req_ids`` are ended first (their rows came in earlier steps).
+* AFTER ``Worker.shutdown``: the producer closes with end of stream.
+
+Why a request ended is known in EngineCore's scheduler only, so two more wrap it there:
+
+* AFTER ``Scheduler._free_request`` (``v1/core/sched/scheduler.py``; every stop, length cap and abort frees the
+  request there): note its ``RequestStatus``.
+* AFTER ``Scheduler.schedule``: the step's ``SchedulerOutput`` carries the notes (:data:`ENDS_ATTR`) beside its
+  ``finished_req_ids``, the requests freed since the step before; it reaches the worker pickled, extra attribute and
+  all, and an abort is stored ``aborted`` (:func:`finish_reason`).
+
+``LLM.collective_rpc(CLOSE_RPC)`` (a method the plugin adds to ``Worker``) closes the producer cleanly before an
+offline engine stops.
+
+Not yet (refused at model load, with the reason): vLLM's V2 model runner (the GPU default; set
+``VLLM_USE_V2_MODEL_RUNNER=0``), async scheduling (the host input ids are placeholders for decode
+rows then; ``--no-async-scheduling``), speculative decoding, pipeline parallelism, pooling models,
+prompt embeddings. A stop string ends a request as an abort: vLLM detects stop strings in its front-end
+process and aborts the request in the engine, so such a request is stored ``aborted`` too (its meta says
+``stop_strings``).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hscapture.config import SLOT_ALIGN, CaptureConfig, MiB, dtype_name
+
+log = logging.getLogger(__name__)
+
+#: Environment variable holding :class:`PluginSettings` as JSON; unset = the plugin is inert.
+ENV = "HSCAPTURE_VLLM"
+#: Method added to vLLM's ``Worker``: ``LLM.collective_rpc(CLOSE_RPC)`` ends the stream (vLLM sends a callable only
+#: with ``VLLM_ALLOW_INSECURE_SERIALIZATION``, a name always).
+CLOSE_RPC = "hscapture_close"
+#: ``SamplingParams.extra_args`` key: the store key of a request (default: its vLLM request id).
+ID_ARG = "hscapture_id"
+#: ``SamplingParams.extra_args`` key: the request's loss mask, ``[[start, end), ...]`` positions.
+LOSS_MASK_ARG = "hscapture_loss_mask"
+#: Rows a ring slot holds by default, and the fewest slots a ring has.
+SLOT_ROWS = 2048
+RING_SLOTS = 8
+
+_WORKER = "vllm.v1.worker.gpu_worker"
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+#: ``SchedulerOutput`` attribute set in EngineCore: ``{request id: RequestStatus name}`` of the requests it finishes.
+ENDS_ATTR = "hscapture_ends"
+
+
+@dataclass
+class PluginSettings:
+    """What the plugin needs to know, passed to vLLM's processes through :data:`ENV`."""
+
+    #: Base ZeroMQ endpoint; with data parallelism each DP rank appends ``-dp<rank>``.
+    endpoint: str
+    #: hscapture layer ids (= vLLM aux ids) to capture; the launcher checked them (:func:`~vllm_models.launch_plan`).
+    layers: list[int]
+    #: Also capture the post-norm final state (vLLM's ``hidden_states``, the LM head input).
+    capture_last: bool = True
+    #: ``drop`` (serving never waits) or ``block`` (nothing lost: offline extraction).
+    policy: str = "drop"
+    #: Bytes of one ring slot; None: room for :data:`SLOT_ROWS` rows, and at least 4 MiB.
+    slot_bytes: int | None = None
+    #: Ring bytes; None: two of the engine's largest steps, and at least :data:`RING_SLOTS` slots.
+    ring_bytes: int | None = None
+    block_timeout_s: float = 120.0
+    #: Facts stored with the run (model path, launcher, ...).
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, raw: str) -> PluginSettings:
+        try:
+            return cls(**json.loads(raw))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{ENV}: not valid capture settings ({exc}); it must be PluginSettings JSON") from exc
+
+
+def engine_kwargs(settings: PluginSettings) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments that go with capture: the layers in ``additional_config``, which vLLM hashes
+    into its compile-cache key, so a graph compiled without aux outputs is never reused with them."""
+    return {"additional_config": {"hscapture": {"layers": settings.layers, "last": settings.capture_last}}}
+
+
+def endpoint_for(base: str, dp_rank: int, dp_size: int) -> str:
+    """One stream per data-parallel rank; plain TP has a single one."""
+    return base if dp_size <= 1 else f"{base}-dp{dp_rank}"
+
+
+def default_slot_bytes(row_bytes: int) -> int:
+    """Slot bytes for :data:`SLOT_ROWS` rows of ``row_bytes``, at least 4 MiB, whole ``SLOT_ALIGN`` blocks."""
+    return max(4 * MiB, -(-SLOT_ROWS * row_bytes // SLOT_ALIGN) * SLOT_ALIGN)
+
+
+def default_ring_bytes(slot_bytes: int, row_bytes: int, max_rows: int) -> int:
+    """Room for two of the engine's largest steps (``max_rows`` rows), and at least :data:`RING_SLOTS` slots."""
+    return max(RING_SLOTS, 2 * -(-max_rows // (slot_bytes // row_bytes))) * slot_bytes
+
+
+#: The capture of this process (a vLLM worker), made by :func:`load_plugin`.
+_CAPTURE: VLLMCapture | None = None
+
+
+def load_plugin() -> None:
+    """Entry point (``vllm.general_plugins``): wrap the hook points when capture is switched on. vLLM may call it
+    more than once in a process; the hooks are set once."""
+    global _CAPTURE
+    raw = os.environ.get(ENV)
+    if not raw or _CAPTURE is not None:
+        return
+    capture = _CAPTURE = VLLMCapture(PluginSettings.from_env(raw))
+    when_imported(_WORKER, capture.patch_worker)
+    when_imported(_RUNNER, capture.patch_runner)
+    when_imported(_SCHEDULER, capture.patch_scheduler)
+
+
+def close_capture(worker: Any) -> None:
+    """``Worker.hscapture_close`` (:data:`CLOSE_RPC`): end of stream from every worker's producer (a no-op where
+    none)."""
+    if _CAPTURE is not None:
+        _CAPTURE.close("finished")
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks on a module right after it is first executed (vLLM imports its worker and runner late)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, list[Callable[[Any], None]]] = {}
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self.waiting:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        callbacks, run = self.waiting.pop(name), spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            for callback in callbacks:
+                callback(module)
+
+        spec.loader.exec_module = exec_module  # this spec's own loader
+        return spec
+
+
+_after_import = _AfterImport()
+
+
+def when_imported(name: str, callback: Callable[[Any], None]) -> None:
+    """``callback(module)`` now if ``name`` is imported already, else right after its import."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return
+    if _after_import not in sys.meta_path:
+        sys.meta_path.insert(0, _after_import)
+    _after_import.waiting.setdefault(name, []).append(callback)
+
+
+def _after(cls: type, name: str, hook: Callable[..., None]) -> None:
+    """Wrap ``cls.name`` so that ``hook(self, result, *args, **kwargs)`` runs after it."""
+    original = getattr(cls, name)
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        hook(self, result, *args, **kwargs)
+        return result
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__name__ = name
+    setattr(cls, name, wrapper)
+
+
+def step_rows(
+    req_ids: Sequence[str], num_scheduled: dict[str, int], starts: np.ndarray
+) -> tuple[list[int], np.ndarray]:
+    """A V1 forward's rows from host state: per request its row count, and ``[N]`` int64 position of every row.
+
+    Args:
+        req_ids: the batch's requests in row order (``input_batch.req_ids[:num_reqs]``).
+        num_scheduled: ``scheduler_output.num_scheduled_tokens``: rows of each request this step.
+        starts: ``[num_reqs]`` position of each request's first row (``input_batch.num_computed_tokens_cpu``).
+    """
+    counts = [num_scheduled[rid] for rid in req_ids]
+    lengths = np.asarray(counts, dtype=np.int64)
+    total = int(lengths.sum())
+    offsets = np.asarray(starts, dtype=np.int64) - (np.cumsum(lengths) - lengths)
+    return counts, np.arange(total, dtype=np.int64) + np.repeat(offsets, lengths)
+
+
+def finish_reason(status: str) -> str:
+    """The store's finish reason for a vLLM ``RequestStatus`` name: ``aborted`` (the client went away, the engine
+    stopped, or a stop string matched), ``error``, else ``finished`` (a stop token, a length cap)."""
+    return {"FINISHED_ABORTED": "aborted", "FINISHED_ERROR": "error"}.get(status, "finished")
+
+
+@dataclass
+class _Request:
+    """What the worker keeps of a running request."""
+
+    key: str
+    prompt_len: int
+    #: The loss mask it was sent with (teacher mode); None: what it generates (regenerate mode, live serving).
+    loss_mask: list[tuple[int, int]] | None
+    #: Positions 0..cached-1 were a prefix-cache hit at the first sight: never forwarded here.
+    cached: int
+    prompt: list[int]
+    #: It was sent with stop strings (which vLLM ends as aborts).
+    stop_strings: bool
+    #: The runner's ``CachedRequestState``: its ``output_token_ids`` grow as the request decodes.
+    state: Any
+    #: Next position not sent yet (a preempted request's re-prefill sends nothing twice).
+    sent_upto: int = 0
+
+
+def store_key(req_id: str, params: Any) -> str:
+    """The store key of a request: ``extra_args[hscapture_id]``, else its external id (vLLM appends ``-`` and 8
+    random characters to what the client sent, unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``)."""
+    extra = getattr(params, "extra_args", None) or {}
+    if ID_ARG in extra:
+        return str(extra[ID_ARG])
+    head, sep, tail = req_id.rpartition("-")
+    return head if sep and len(tail) == 8 and not os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION") else req_id
+
+
+class VLLMCapture:
+    """Per worker process: turns vLLM V1 runner steps into ``EngineProducer`` calls."""
+
+    def __init__(self, settings: PluginSettings) -> None:
+        self.settings = settings
+        self.producer: Any = None
+        self.enabled = True
+        self.layers: tuple[int, ...] = ()
+        self.requests: dict[str, _Request] = {}
+        #: The last step's store keys and rows per request, passed again as the same objects while they hold.
+        self._owners: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+        #: In EngineCore: the status of each request freed since the last ``schedule``.
+        self._ends: dict[str, str] = {}
+
+    # -- patching ---------------------------------------------------------------------------------------------------
+    def patch_worker(self, module: Any) -> None:
+        _after(module.Worker, "load_model", self.after_load_model)
+        _after(module.Worker, "shutdown", lambda worker, result: self.close("aborted"))
+        setattr(module.Worker, CLOSE_RPC, close_capture)
+
+    def patch_runner(self, module: Any) -> None:
+        _after(module.GPUModelRunner, "execute_model", self.after_execute_model)
+
+    def patch_scheduler(self, module: Any) -> None:
+        _after(module.Scheduler, "_free_request", self.after_free_request)
+        _after(module.Scheduler, "schedule", self.after_schedule)
+
+    # -- hooks ------------------------------------------------------------------------------------------------------
+    def after_load_model(self, worker: Any, result: Any, *args: Any, **kwargs: Any) -> None:
+        """Set the aux layers and start the producer; anything wrong stops vLLM from starting, with the reason."""
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        runner = worker.model_runner
+        if not isinstance(runner, GPUModelRunner):
+            raise RuntimeError(
+                f"hscapture captures from vLLM's V1 model runner, not {type(runner).__name__}; set "
+                "VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        self._refuse(worker.vllm_config, runner)
+        from hscapture.integrations.vllm_models import captured_layers
+
+        model = runner.get_model()
+        model_config = worker.vllm_config.model_config
+        num_layers = model_config.hf_text_config.num_hidden_layers
+        model.set_aux_hidden_state_layers(tuple(self.settings.layers))
+        runner.use_aux_hidden_state_outputs = True
+        arch, self.layers = captured_layers(model, num_layers, self.settings.layers)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if get_tensor_model_parallel_rank() != 0:  # every rank captures (its graphs must match); rank 0 publishes
+            self.enabled = False
+            return
+        self._start(worker, runner, arch, num_layers)
+
+    def after_execute_model(self, runner: Any, result: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> None:
+        if not self.enabled or self.producer is None:
+            return
+        try:
+            self._step(runner, result, scheduler_output)
+        except Exception as exc:
+            self._fail(exc)
+
+    def after_free_request(self, scheduler: Any, result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        self._ends[request.request_id] = request.status.name
+
+    def after_schedule(self, scheduler: Any, output: Any, *args: Any, **kwargs: Any) -> None:
+        """The notes go with the ``finished_req_ids`` they explain: both hold what was freed since the last step."""
+        if self._ends:
+            setattr(output, ENDS_ATTR, self._ends)
+            self._ends = {}
+
+    # -- work -------------------------------------------------------------------------------------------------------
+    def _step(self, runner: Any, result: Any, scheduler_output: Any) -> None:
+        ends = getattr(scheduler_output, ENDS_ATTR, {})
+        for rid in scheduler_output.finished_req_ids:
+            status = ends.get(rid, "")
+            self._finish(rid, finish_reason(status), status)
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id not in self.requests:
+                self._add(runner, new)
+        state = runner.execute_model_state
+        total = scheduler_output.total_num_scheduled_tokens
+        if result is not None or state is None or not total:  # an empty step, or one that returned early
+            return
+        batch = runner.input_batch
+        rids = list(batch.req_ids[: batch.num_reqs])
+        starts = batch.num_computed_tokens_cpu[: len(rids)]
+        counts, positions = step_rows(rids, scheduler_output.num_scheduled_tokens, starts)
+        if len(positions) != total:
+            raise RuntimeError(f"vLLM scheduled {total} tokens, but its batch's requests hold {len(positions)} rows")
+        token_ids = runner.input_ids.np[:total].copy()  # the host buffer the forward's input ids came from
+        states = [h[:total] for h in state.aux_hidden_states]
+        if self.settings.capture_last:
+            states.append(state.hidden_states[:total])
+        keys, keep = self._kept(rids, counts, positions)
+        if keep is None:
+            owners = (tuple(keys), tuple(counts))
+            if owners == self._owners:  # the very tuples of the step before: checked and encoded once, and decode
+                owners = self._owners  # steps of the same requests share a slot and one announcement
+            self._owners = owners
+            self.producer.capture_step(states, owners[0], owners[1], positions, token_ids)
+            return
+        rows = np.flatnonzero(keep)
+        if not len(rows):
+            return
+        bounds = np.cumsum([0, *counts])
+        seen = np.concatenate([[0], np.cumsum(keep)])
+        per_request = (seen[bounds[1:]] - seen[bounds[:-1]]).tolist()  # host numpy, not a device tensor
+        owners = [key for key, n in zip(keys, per_request) if n]
+        kept = [int(n) for n in per_request if n]
+        index = torch.from_numpy(rows).to(states[0].device, non_blocking=True)
+        self.producer.capture_step(states, owners, kept, positions[rows], token_ids[rows], index)
+
+    def _kept(self, rids: list[str], counts: list[int], positions: np.ndarray) -> tuple[list[str], np.ndarray | None]:
+        """The store keys of the rows' requests, and which rows to keep (None: all): a position a request sent
+        already (a re-prefill after preemption) is not sent again."""
+        keys, upto = [], []
+        first = 0
+        for rid, count in zip(rids, counts):
+            request = self.requests.get(rid)
+            if request is None:
+                raise RuntimeError(f"vLLM request {rid} has rows but was never scheduled as new; cannot name them")
+            keys.append(request.key)
+            upto.append(request.sent_upto)
+            end = int(positions[first + count - 1]) + 1 if count else 0
+            request.sent_upto = max(request.sent_upto, end)
+            first += count
+        lengths = np.asarray(counts, dtype=np.int64)
+        keep = positions >= np.repeat(np.asarray(upto, dtype=np.int64), lengths)
+        return keys, None if keep.all() else keep.astype(np.int64)
+
+    def _add(self, runner: Any, new: Any) -> None:
+        params = new.sampling_params
+        extra = getattr(params, "extra_args", None) or {}
+        prompt = list(new.prompt_token_ids or [])
+        self.requests[new.req_id] = _Request(
+            key=store_key(new.req_id, params),
+            prompt_len=len(prompt),
+            loss_mask=[(int(a), int(b)) for a, b in extra[LOSS_MASK_ARG]] if LOSS_MASK_ARG in extra else None,
+            cached=int(new.num_computed_tokens),
+            prompt=prompt,
+            stop_strings=bool(params.stop),
+            state=runner.requests.get(new.req_id),
+            sent_upto=int(new.num_computed_tokens),
+        )
+
+    def _finish(self, rid: str, reason: str, status: str = "") -> None:
+        """End ``rid`` with ``reason``; ``status``: vLLM's ``RequestStatus`` name, kept in its meta ("" where the
+        engine closed before the step that would have brought it)."""
+        request = self.requests.pop(rid, None)
+        if request is None:
+            return
+        outputs = len(request.state.output_token_ids) if request.state is not None else 0
+        num_tokens = request.prompt_len + outputs - 1 if outputs else request.sent_upto
+        loss_mask = request.loss_mask
+        if loss_mask is None:  # what it generated, less the last sample (never forwarded)
+            loss_mask = [(request.prompt_len, num_tokens)] if outputs > 1 else []
+        self.producer.finish_request(
+            request.key,
+            reason,
+            num_tokens=num_tokens,
+            loss_mask=loss_mask,
+            meta={
+                "vllm_request_id": rid,
+                "vllm_status": status,
+                "stop_strings": request.stop_strings,
+                "prompt_tokens": request.prompt_len,
+                "output_tokens": outputs,
+            },
+            prefix_token_ids=request.prompt[: request.cached],
+        )
+
+    @staticmethod
+    def _refuse(config: Any, runner: Any) -> None:
+        """What this plugin cannot capture yet, refused before serving starts."""
+        reasons = []
+        if config.parallel_config.pipeline_parallel_size > 1:
+            reasons.append("pipeline parallelism (--pipeline-parallel-size > 1)")
+        if config.speculative_config is not None:
+            reasons.append("speculative decoding (its draft rows and positions are not handled yet)")
+        if config.scheduler_config.async_scheduling:
+            reasons.append("async scheduling (decode input ids are not on the host; pass --no-async-scheduling)")
+        if getattr(runner, "is_pooling_model", False):
+            reasons.append("a pooling model")
+        if getattr(config.model_config, "enable_prompt_embeds", False):
+            reasons.append("prompt embeddings (--enable-prompt-embeds: rows without token ids)")
+        if reasons:
+            raise RuntimeError(f"hscapture cannot capture from vLLM with {'; '.join(reasons)}")
+
+    def _start(self, worker: Any, runner: Any, arch: Any, num_layers: int) -> None:
+        from hscapture.producer import Producer
+
+        config = worker.vllm_config
+        model_config = config.model_config
+        hidden = model_config.get_hidden_size()
+        dp_size = int(config.parallel_config.data_parallel_size)
+        dp_rank = int(config.parallel_config.data_parallel_rank)
+        row_bytes = (len(self.layers) + self.settings.capture_last) * hidden * model_config.dtype.itemsize
+        max_rows = int(config.scheduler_config.max_num_batched_tokens)
+        slot_bytes = self.settings.slot_bytes or default_slot_bytes(row_bytes)
+        device = "cpu" if torch.device(runner.device).type == "cpu" else f"cuda:{torch.cuda.current_device()}"
+        capture = CaptureConfig(
+            layers=self.layers,
+            hidden_size=hidden,
+            num_layers=num_layers,
+            capture_last=self.settings.capture_last,
+            dtype=dtype_name(model_config.dtype),
+            slot_bytes=slot_bytes,
+            ring_bytes=self.settings.ring_bytes or default_ring_bytes(slot_bytes, row_bytes, max_rows),
+            max_step_rows=max_rows,
+            policy=self.settings.policy,  # type: ignore[arg-type]
+            endpoint=endpoint_for(self.settings.endpoint, dp_rank, dp_size),
+            device=device,
+            block_timeout_s=self.settings.block_timeout_s,
+        )
+        import vllm
+
+        meta = {
+            "engine": "vllm",
+            "vllm_version": vllm.__version__,
+            "model": str(model_config.model),
+            "architecture": arch.name,
+            "vllm_aux_layers": list(self.layers),
+            "dp_rank": dp_rank,
+            "dp_size": dp_size,
+            **self.settings.meta,
+        }
+        descriptions = arch.describe(self.layers, num_layers, self.settings.capture_last)
+        self.producer = Producer(capture, tensor_descriptions=descriptions, meta=meta)
+        log.info("hscapture: capturing layers %s (+last=%s) to %s", self.layers, capture.capture_last, capture.endpoint)
+
+    def close(self, reason: str) -> None:
+        """End every request still open (``reason``), then the producer's run (end of stream). Idempotent."""
+        if self.producer is not None:
+            try:
+                for rid in list(self.requests):
+                    self._finish(rid, reason)
+            except Exception:
+                log.exception("hscapture: ending the open requests failed")
+        self._shut("closed")
+
+    def _fail(self, exc: BaseException) -> None:
+        """Capture failed while serving: log the cause, end the producer's run with it, serve on."""
+        cause = f"{type(exc).__name__}: {exc}"
+        log.error("hscapture: capture failed, serving goes on without it: %s", cause, exc_info=exc)
+        self._shut("capture failed", error=cause)
+
+    def _shut(self, why: str, error: str = "") -> None:
+        self.enabled = False
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            try:
+                producer.close(error=error)
+            except Exception:
+                log.exception("hscapture: closing the producer (%s) failed", why)

