@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hscapture.config import SLOT_ALIGN, CaptureConfig, MiB, dtype_name
+from hscapture.config import CaptureConfig, default_ring_bytes, default_slot_bytes, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,6 @@ CLOSE_RPC = "hscapture_close"
 ID_ARG = "hscapture_id"
 #: ``SamplingParams.extra_args`` key: the request's loss mask, ``[[start, end), ...]`` positions.
 LOSS_MASK_ARG = "hscapture_loss_mask"
-#: Rows a ring slot holds by default, and the fewest slots a ring has.
-SLOT_ROWS = 2048
-RING_SLOTS = 8
 
 _WORKER = "vllm.v1.worker.gpu_worker"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -89,9 +86,9 @@ class PluginSettings:
     capture_last: bool = True
     #: ``drop`` (serving never waits) or ``block`` (nothing lost: offline extraction).
     policy: str = "drop"
-    #: Bytes of one ring slot; None: room for :data:`SLOT_ROWS` rows, and at least 4 MiB.
+    #: Bytes of one ring slot; None: room for :data:`~hscapture.config.SLOT_ROWS` rows, and at least 4 MiB.
     slot_bytes: int | None = None
-    #: Ring bytes; None: two of the engine's largest steps, and at least :data:`RING_SLOTS` slots.
+    #: Ring bytes; None: two of the engine's largest steps, and at least :data:`~hscapture.config.RING_SLOTS` slots.
     ring_bytes: int | None = None
     block_timeout_s: float = 120.0
     #: Facts stored with the run (model path, launcher, ...).
@@ -117,16 +114,6 @@ def engine_kwargs(settings: PluginSettings) -> dict[str, Any]:
 def endpoint_for(base: str, dp_rank: int, dp_size: int) -> str:
     """One stream per data-parallel rank; plain TP has a single one."""
     return base if dp_size <= 1 else f"{base}-dp{dp_rank}"
-
-
-def default_slot_bytes(row_bytes: int) -> int:
-    """Slot bytes for :data:`SLOT_ROWS` rows of ``row_bytes``, at least 4 MiB, whole ``SLOT_ALIGN`` blocks."""
-    return max(4 * MiB, -(-SLOT_ROWS * row_bytes // SLOT_ALIGN) * SLOT_ALIGN)
-
-
-def default_ring_bytes(slot_bytes: int, row_bytes: int, max_rows: int) -> int:
-    """Room for two of the engine's largest steps (``max_rows`` rows), and at least :data:`RING_SLOTS` slots."""
-    return max(RING_SLOTS, 2 * -(-max_rows // (slot_bytes // row_bytes))) * slot_bytes
 
 
 #: The capture of this process (a vLLM worker), made by :func:`load_plugin`.
