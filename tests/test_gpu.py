@@ -151,8 +151,8 @@ def test_a_run_is_announced_only_after_the_next_replays_rows_are_planned(
 ) -> None:
     """A decode run's slot event goes on the engine's stream when the run is announced. Announced while the replay
     just launched still waits for its plan, that event waits for the replay, the replay for the host, and a block
-    producer waiting for credit or a send while the consumer waits for the event never moves again (the gpu suite
-    with every layer hung so on the H200). Every run here ends on a replayed step: none may be marked before it."""
+    producer waiting for credit or a send while the consumer waits for the event would never move again. Every run
+    here ends on a replayed step: none may be marked before it is planned."""
     pytest.importorskip("cupy")
     batch = 8
     model = Block().cuda().bfloat16()
