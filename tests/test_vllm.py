@@ -267,4 +267,6 @@ def test_an_abort_is_stored_aborted_and_a_length_cap_finished(
     ended = (cut["status"], cut["reason"], cut["meta"].get("vllm_status"))
     assert ended == ("incomplete", "aborted", "FINISHED_ABORTED"), cut
     assert (capped["status"], capped["meta"]["vllm_status"]) == ("complete", "FINISHED_LENGTH_CAPPED"), capped
-    assert cut["rows"] == cut["num_tokens"] > capped["num_tokens"], cut  # every row it forwarded, past the capped one
+    # Every row it forwarded: at least the capped one's, stepped beside it (one more only if vLLM stepped again
+    # before the abort landed: not on a loaded host).
+    assert cut["rows"] == cut["num_tokens"] >= capped["num_tokens"], cut
