@@ -14,6 +14,7 @@ import torch
 from hscapture import CaptureConfig, HSCaptureError, Producer, open_store
 from hscapture.consumer import consume_command
 from hscapture.fp8 import quantize_into, quantize_rows
+from hscapture.producer.row_kernel import GraphRows
 from hscapture.ring.cuda import CudaRingReader
 from hscapture.store.checksum import RowCrcs, row_crcs
 from hscapture.store.verify import verify_store
@@ -75,6 +76,25 @@ class Block(torch.nn.Module):
         return states
 
 
+def graphed_with_copy(
+    model: torch.nn.Module, static_x: torch.Tensor, producer: Producer
+) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], GraphRows]:
+    """A decode graph of ``model`` on ``static_x`` holding the producer's ring copy of its outputs, as an engine
+    captures one: its static outputs and the copy (each replay's rows go where ``capture_step`` plans them)."""
+    copy = producer.graph_rows()
+    assert copy is not None, "the graph copy's kernels did not compile"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture, as torch.cuda.graph requires
+        model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_states = model(static_x)
+        copy.capture(static_states)
+    return graph, static_states, copy
+
+
 @pytest.mark.parametrize("policy", ["block", "drop"])
 @pytest.mark.gpu
 @requires_gpu
@@ -92,17 +112,7 @@ def test_graph_replayed_capture_is_bitwise_and_never_announces_padding(
     consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
     producer = producer_for(gpu_config(endpoint, policy=policy, slot_bytes=256 << 10, ring_bytes=1 << 20))
     wait_attached(producer)
-    copy = producer.graph_rows()
-    assert copy is not None, "the graph copy's kernels did not compile"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside capture, as torch.cuda.graph requires
-        model(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_states = model(static_x)
-        copy.capture(static_states)
+    graph, static_states, copy = graphed_with_copy(model, static_x, producer)
     references: dict[str, list[torch.Tensor]] = {}
     decoding = tuple(f"d{i}" for i in range(batch)), (1,) * batch
     rng = np.random.default_rng(0)
@@ -160,17 +170,7 @@ def test_a_run_is_announced_only_after_the_next_replays_rows_are_planned(
     consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos")
     producer = producer_for(gpu_config(endpoint, policy="block", slot_bytes=256 << 10, ring_bytes=512 << 10))
     wait_attached(producer)
-    copy = producer.graph_rows()
-    assert copy is not None, "the graph copy's kernels did not compile"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        model(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_states = model(static_x)
-        copy.capture(static_states)
+    graph, static_states, copy = graphed_with_copy(model, static_x, producer)
     marked_while_pending: list[bool] = []
     mark_written = producer.ring.mark_written
 
