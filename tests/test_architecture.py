@@ -32,6 +32,7 @@ TIERS: list[tuple[str, dict[str, list[str]]]] = [
             "vllm": ["hscapture.integrations.vllm*"],
         },
     ),
+    ("common", {"common": ["hscapture.integrations.engines"]}),
     (
         "sides",
         {

@@ -73,21 +73,22 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
 import logging
 import os
 import subprocess
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
 
-from hscapture.config import CaptureConfig, default_ring_bytes, default_slot_bytes, dtype_name
+from hscapture.config import dtype_name
+from hscapture.integrations.engines import EngineCapture, EngineSettings, LoadedModel
+from hscapture.integrations.engines import endpoint_for as endpoint_for  # the launchers import it here
 from hscapture.integrations.sglang_select import LOSS_MASK_PARAM as LOSS_MASK_PARAM  # the launchers import it here
 from hscapture.integrations.sglang_select import RowFilter, loss_mask
 from hscapture.selection import Positions, sampled
@@ -140,22 +141,13 @@ def engine_kwargs(layer_ids: Sequence[int] | None = None) -> dict[str, Any]:
 
 
 @dataclass
-class PluginSettings:
-    """What the plugin needs to know, passed to SGLang's processes through :data:`ENV`."""
+class PluginSettings(EngineSettings):
+    """What the plugin needs to know, passed to SGLang's processes through :data:`ENV`; the fields every engine shares
+    are :class:`~hscapture.integrations.engines.EngineSettings`' (with attention data parallelism each DP group has
+    its own endpoint)."""
 
-    #: Base ZeroMQ endpoint; with attention data parallelism each DP group appends ``-dp<rank>``.
-    endpoint: str
-    #: Also capture the post-norm last layer beside the aux layers.
-    capture_last: bool = True
-    #: ``drop`` (serving never waits) or ``block`` (nothing lost: offline extraction).
-    policy: str = "drop"
-    #: Bytes of one ring slot; None: room for :data:`~hscapture.config.SLOT_ROWS` rows, and at least 4 MiB.
-    slot_bytes: int | None = None
-    #: Ring bytes; None: two of the engine's largest steps, at least :data:`~hscapture.config.RING_SLOTS` slots.
-    ring_bytes: int | None = None
-    block_timeout_s: float = 120.0
-    #: Facts stored with the run (model path, launcher, ...).
-    meta: dict[str, Any] = field(default_factory=dict)
+    ENV: ClassVar[str] = ENV
+
     #: hscapture layer ids the launcher asked SGLang for; the plugin refuses a model that captures
     #: others. None: whatever SGLang's aux flags chose.
     layers: list[int] | None = None
@@ -171,17 +163,6 @@ class PluginSettings:
     #: The share of requests captured, chosen by a hash of the request id (:func:`~hscapture.selection.sampled`);
     #: None: every request. The others are marked at tokenization and cost the scheduler nothing.
     sample_rate: float | None = None
-
-    def to_env(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_env(cls, raw: str) -> PluginSettings:
-        try:
-            values = json.loads(raw)
-            return cls(**values)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{ENV}: not valid capture settings ({exc}); it must be PluginSettings JSON") from exc
 
 
 #: SGLang arguments for a host without a GPU (what its CPU path supports).
@@ -238,11 +219,6 @@ def use_cpu_host_env() -> bool:
     os.environ.update(env)
     ctypes.CDLL(str(Path(env["LD_LIBRARY_PATH"].split(":")[0]) / "libcuda.so.1"), mode=ctypes.RTLD_GLOBAL)
     return True
-
-
-def endpoint_for(base: str, dp_rank: int, dp_size: int) -> str:
-    """One stream per attention-DP group; plain TP has a single one."""
-    return base if dp_size <= 1 else f"{base}-dp{dp_rank}"
 
 
 def load_plugin() -> None:
@@ -387,15 +363,12 @@ class _DecodeRun:
         return _tokens(plan.reqs * steps, positions.tolist(), (1,) * (steps * n))
 
 
-class SGLangCapture:
+class SGLangCapture(EngineCapture, engine="sglang", layers_key="sglang_layers_to_capture", logger=log):
     """Per scheduler process: turns SGLang batches into ``Producer`` calls."""
 
     def __init__(self, settings: PluginSettings) -> None:
-        self.settings = settings
-        self.producer: Any = None
-        self.enabled = True
-        #: Set at model load: the layers SGLang's aux output holds, in order, and their width.
-        self.layers: tuple[int, ...] = ()
+        super().__init__(settings)
+        #: Set at model load: the width of each layer SGLang's aux output holds.
         self.hidden = 0
         #: Whether SGLang's first output matched what the model load promised.
         self.checked = False
@@ -746,7 +719,6 @@ class SGLangCapture:
                 (see :func:`hscapture.integrations.sglang_models.captured_layers`).
         """
         from hscapture.integrations.sglang_models import captured_layers
-        from hscapture.producer import Producer
 
         parallel = _parallel()
         if int(getattr(parallel, "pp_size", 1)) > 1:
@@ -759,42 +731,22 @@ class SGLangCapture:
         if int(getattr(parallel, "attn_tp_rank", 0)) != 0:  # TP ranks hold identical states: rank 0 publishes
             self.enabled = False
             return
-        # One stream per DP group: attention-DP ranks inside one TP group, or DP replicas.
-        dp_size = int(getattr(parallel, "dp_size", 1) or 1)
-        replica = getattr(parallel, "dp_rank", None)
-        dp_rank = int(replica if replica is not None else getattr(parallel, "attn_dp_rank", 0))
-        row_bytes = (len(self.layers) + self.settings.capture_last) * self.hidden * model_config.dtype.itemsize
-        max_rows = int(getattr(worker, "max_num_tokens", 0) or 8192)
-        slot_bytes = self.settings.slot_bytes or default_slot_bytes(row_bytes)
-        device = "cpu" if str(runner.device) == "cpu" else f"cuda:{torch.cuda.current_device()}"
-        config = CaptureConfig(
-            layers=self.layers,
-            hidden_size=self.hidden,
-            num_layers=num_layers,
-            capture_last=self.settings.capture_last,
-            dtype=dtype_name(model_config.dtype),
-            slot_bytes=slot_bytes,
-            ring_bytes=self.settings.ring_bytes or default_ring_bytes(slot_bytes, row_bytes, max_rows),
-            max_step_rows=max_rows,
-            policy=self.settings.policy,  # type: ignore[arg-type]
-            endpoint=endpoint_for(self.settings.endpoint, dp_rank, dp_size),
-            device=device,
-            block_timeout_s=self.settings.block_timeout_s,
-        )
         import sglang
 
-        meta = {
-            "engine": "sglang",
-            "sglang_version": sglang.__version__,
-            "model": str(model_config.model_path),
-            "architecture": arch.name,
-            "sglang_layers_to_capture": list(self.layers),
-            "dp_rank": dp_rank,
-            "dp_size": dp_size,
-            **self.settings.meta,
-        }
-        descriptions = arch.describe(self.layers, self.settings.capture_last)
-        self.producer = Producer(config, tensor_descriptions=descriptions, meta=meta)
+        # One stream per DP group: attention-DP ranks inside one TP group, or DP replicas.
+        replica = getattr(parallel, "dp_rank", None)
+        loaded = LoadedModel(
+            version=sglang.__version__,
+            model=str(model_config.model_path),
+            hidden_size=self.hidden,
+            num_layers=num_layers,
+            dtype=model_config.dtype,
+            max_rows=int(getattr(worker, "max_num_tokens", 0) or 8192),
+            dp_rank=int(replica if replica is not None else getattr(parallel, "attn_dp_rank", 0)),
+            dp_size=int(getattr(parallel, "dp_size", 1) or 1),
+            device="cpu" if str(runner.device) == "cpu" else f"cuda:{torch.cuda.current_device()}",
+        )
+        config = self._open(arch.name, arch.describe(self.layers, self.settings.capture_last), loaded)
         self.attach_graphs(runner)
         log.info("hscapture: capturing layers %s (+last=%s) to %s", self.layers, config.capture_last, config.endpoint)
 
@@ -814,21 +766,6 @@ class SGLangCapture:
             raise RuntimeError("SGLang returned no last_hidden_states; set capture_last false or update SGLang")
         self.checked = True
         return self.producer
-
-    def _fail(self, exc: BaseException) -> None:
-        """Capture failed while serving: log the cause, end the producer's run with it, serve on."""
-        cause = f"{type(exc).__name__}: {exc}"
-        log.error("hscapture: capture failed, serving goes on without it: %s", cause, exc_info=exc)
-        self._shut("capture failed", error=cause)
-
-    def _shut(self, why: str, error: str = "") -> None:
-        self.enabled = False
-        producer, self.producer = self.producer, None
-        if producer is not None:
-            try:
-                producer.close(error=error)
-            except Exception:
-                log.exception("hscapture: closing the producer (%s) failed", why)
 
 
 def _sglangs_own(req: Any) -> bool:

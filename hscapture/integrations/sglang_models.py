@@ -24,11 +24,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from hscapture.config import eagle3_default_layers, resolve_layers
-from hscapture.config import num_layers_of as num_layers_of  # moved to config: vLLM's table reads them too
-from hscapture.config import read_model_config as read_model_config
+from hscapture.integrations import engines
+from hscapture.integrations.engines import EngineArchitecture
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +38,12 @@ GEMMA3_MLP_BRANCH = "gemma3-mlp-branch"
 
 
 @dataclass(frozen=True)
-class Architecture:
-    """How one SGLang model class numbers aux layer ids and what it captures."""
+class Architecture(EngineArchitecture):
+    """How one SGLang model class numbers aux layer ids and what it captures: :attr:`stack` is under
+    ``sglang.srt.models.``, it owns ``layers_to_capture``; :attr:`first_layer` is the lowest id its setter's
+    non-negative ids reach; ``cpu-test`` rows run in tests/test_sglang.py, ``source`` rows were read from SGLang's
+    source."""
 
-    #: The HF ``architectures[0]`` of config.json: the class SGLang builds.
-    name: str
     #: What its ``set_eagle3_layers_to_capture`` does with the ids it is given: ``plus_one`` stores
     #: ``k + 1`` ("layer i takes the output of layer i-1": Llama, Qwen, Gemma3); ``deepseek``
     #: stores them as given unless the first one is 1 (then ``k + 1``: DeepSeek, and Kimi-K2.5,
@@ -51,43 +51,33 @@ class Architecture:
     ids: Literal["plus_one", "deepseek"]
     #: What ``layers_to_capture`` entry ``k`` holds (see :meth:`describe`).
     captures: str
-    #: ``module.Class`` (under ``sglang.srt.models.``) of the decoder stack owning ``layers_to_capture``.
-    stack: str
-    #: Lowest layer id SGLang can capture (the setter's ids are non-negative).
-    first_layer: int
     #: Whether layer ``L`` (the last decoder layer's output) is captured; most stacks only look
     #: at ``layers_to_capture`` inside their loop over layers ``0..L-1``.
     captures_final_layer: bool
-    #: ``cpu-test`` (run by tests/test_sglang.py) or ``source`` (read from SGLang's source only).
-    checked: str
 
     def layer_range(self, num_layers: int) -> tuple[int, int]:
         """The first and last hscapture layer ids this architecture can capture."""
         return self.first_layer, num_layers if self.captures_final_layer else num_layers - 1
 
+    FINAL_STATE: ClassVar[str] = (
+        "final hidden state after the model's last norm (SGLang last_hidden_states, LM head input)"
+    )
+
     def describe(self, layers: Sequence[int], capture_last: bool) -> list[str]:
         """One sentence per stored tensor saying exactly what SGLang captured for this architecture."""
-        out = []
-        for k in layers:
-            if self.captures == GEMMA3_MLP_BRANCH:
-                out.append(
-                    f"output of decoder layer {k - 1}'s MLP branch after its post-feedforward norm, before it is added "
-                    f"to the residual stream (SGLang {self.name} layers_to_capture {k}); not the residual stream, "
-                    f"so not HF output_hidden_states[{k}]"
-                )
-            else:
-                out.append(
-                    f"residual stream entering decoder layer {k} (hidden + residual before its input norm); "
-                    f"SGLang {self.name} layers_to_capture {k}, HF output_hidden_states[{k}]"
-                )
-        if capture_last:
-            out.append("final hidden state after the model's last norm (SGLang last_hidden_states, LM head input)")
-        return out
+        return self.descriptions(layers, capture_last)
+
+    def layer_description(self, k: int, num_layers: int | None) -> str:
+        if self.captures == GEMMA3_MLP_BRANCH:
+            return (
+                f"output of decoder layer {k - 1}'s MLP branch after its post-feedforward norm, before it is added "
+                f"to the residual stream (SGLang {self.name} layers_to_capture {k}); not the residual stream, "
+                f"so not HF output_hidden_states[{k}]"
+            )
+        return self.residual_stream(k, f"SGLang {self.name} layers_to_capture {k}")
 
 
-def _rows(names: Sequence[str], **fields: Any) -> dict[str, Architecture]:
-    return {name: Architecture(name=name, **fields) for name in names}
-
+_rows = Architecture.rows
 
 _LLAMA_LIKE = dict(ids="plus_one", captures=RESIDUAL_STREAM, first_layer=1, captures_final_layer=False)
 _DEEPSEEK = dict(
@@ -127,14 +117,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def architecture(name: str) -> Architecture:
     """The table row of an SGLang model class, or a ValueError naming the ones hscapture knows."""
-    try:
-        return ARCHITECTURES[name]
-    except KeyError:
-        raise ValueError(
-            f"SGLang architecture {name!r}: hscapture does not know which tensor SGLang's aux capture keeps for it, "
-            f"so it cannot describe what it would store; supported: {', '.join(sorted(ARCHITECTURES))} "
-            "(hscapture/integrations/sglang_models.py lists what each one captures)"
-        ) from None
+    return engines.table_row(ARCHITECTURES, name, "SGLang")
 
 
 def capture_layers(arch: Architecture, num_layers: int, layers: str | Sequence[int] | None) -> tuple[int, ...]:
@@ -145,20 +128,15 @@ def capture_layers(arch: Architecture, num_layers: int, layers: str | Sequence[i
     Raises:
         ValueError: a layer this architecture cannot capture, a repeated one, or none.
     """
-    if layers is None:
-        chosen = eagle3_default_layers(num_layers)
-        wanted = [2, num_layers // 2, num_layers - 3]
-        if len(chosen) < len(wanted):
-            log.warning(
-                "EAGLE-3's default layers %s repeat a layer at %d decoder layers; capturing %s",
-                wanted,
-                num_layers,
-                list(chosen),
-            )
-        return chosen
-    chosen = tuple(sorted(resolve_layers(layers, num_layers, arch.layer_range(num_layers), f"SGLang's {arch.name}")))
-    if not chosen:
-        raise ValueError("--layers: SGLang's aux capture needs at least one layer id (it always captures some)")
+    chosen = engines.capture_layers(arch, num_layers, layers, "SGLang")
+    wanted = [2, num_layers // 2, num_layers - 3]
+    if layers is None and len(chosen) < len(wanted):
+        log.warning(
+            "EAGLE-3's default layers %s repeat a layer at %d decoder layers; capturing %s",
+            wanted,
+            num_layers,
+            list(chosen),
+        )
     return chosen
 
 
@@ -200,17 +178,7 @@ def launch_plan(model: Path | str, layers: str | Sequence[int] | None) -> Launch
     Raises:
         ValueError: no config.json, an architecture hscapture does not know, a layer it cannot capture.
     """
-    config = read_model_config(model)
-    names = config.get("architectures") or []
-    if not names:
-        raise ValueError(f"{model}: config.json has no architectures entry; SGLang needs one to pick its model")
-    arch = architecture(names[0])
-    if arch.checked == "source":
-        log.warning(
-            "what SGLang captures for %s was read from its source; hscapture's tests have not run this architecture",
-            arch.name,
-        )
-    num_layers = num_layers_of(config)
+    arch, num_layers = engines.model_architecture(model, ARCHITECTURES, "SGLang")
     chosen = capture_layers(arch, num_layers, layers)
     return LaunchPlan(arch, num_layers, chosen, sglang_layer_ids(arch, chosen))
 
@@ -252,17 +220,9 @@ def captured_layers(
         RuntimeError: an unknown architecture, a decoder stack other than the one the table was
             read from, a repeated or uncapturable layer, or layers other than ``expected``.
     """
-    try:
-        arch = architecture(type(model).__name__)
-    except ValueError as exc:
-        raise RuntimeError(str(exc)) from None
+    arch = engines.loaded_architecture(model, ARCHITECTURES, "SGLang")
     stack = find_stack(model)
-    stack_name = f"{type(stack).__module__.removeprefix('sglang.srt.models.')}.{type(stack).__qualname__}"
-    if stack_name != arch.stack:
-        raise RuntimeError(
-            f"SGLang's {arch.name} keeps its capture list in {stack_name}, not {arch.stack} whose capture hscapture "
-            "has checked; this SGLang version differs from the one hscapture's table was read from"
-        )
+    engines.check_stack(arch, stack, "sglang.srt.models.", "SGLang", "capture list")
     listed = list(stack.layers_to_capture)
     layers = tuple(sorted(set(listed)))
     if len(layers) != len(listed):

@@ -42,18 +42,18 @@ process and aborts the request in the engine, so such a request is stored ``abor
 from __future__ import annotations
 
 import importlib.abc
-import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from hscapture.config import CaptureConfig, default_ring_bytes, default_slot_bytes, dtype_name
+from hscapture.integrations.engines import EngineCapture, EngineSettings, LoadedModel
+from hscapture.integrations.engines import endpoint_for as endpoint_for  # the launchers import it here
 
 log = logging.getLogger(__name__)
 
@@ -75,45 +75,21 @@ ENDS_ATTR = "hscapture_ends"
 
 
 @dataclass
-class PluginSettings:
-    """What the plugin needs to know, passed to vLLM's processes through :data:`ENV`."""
+class PluginSettings(EngineSettings):
+    """What the plugin needs to know, passed to vLLM's processes through :data:`ENV`; the fields every engine shares
+    are :class:`~hscapture.integrations.engines.EngineSettings`' (the final state captured is vLLM's
+    ``hidden_states``)."""
 
-    #: Base ZeroMQ endpoint; with data parallelism each DP rank appends ``-dp<rank>``.
-    endpoint: str
+    ENV: ClassVar[str] = ENV
+
     #: hscapture layer ids (= vLLM aux ids) to capture; the launcher checked them (:func:`~vllm_models.launch_plan`).
-    layers: list[int]
-    #: Also capture the post-norm final state (vLLM's ``hidden_states``, the LM head input).
-    capture_last: bool = True
-    #: ``drop`` (serving never waits) or ``block`` (nothing lost: offline extraction).
-    policy: str = "drop"
-    #: Bytes of one ring slot; None: room for :data:`~hscapture.config.SLOT_ROWS` rows, and at least 4 MiB.
-    slot_bytes: int | None = None
-    #: Ring bytes; None: two of the engine's largest steps, and at least :data:`~hscapture.config.RING_SLOTS` slots.
-    ring_bytes: int | None = None
-    block_timeout_s: float = 120.0
-    #: Facts stored with the run (model path, launcher, ...).
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def to_env(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_env(cls, raw: str) -> PluginSettings:
-        try:
-            return cls(**json.loads(raw))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{ENV}: not valid capture settings ({exc}); it must be PluginSettings JSON") from exc
+    layers: list[int] = field(kw_only=True)
 
 
 def engine_kwargs(settings: PluginSettings) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments that go with capture: the layers in ``additional_config``, which vLLM hashes
     into its compile-cache key, so a graph compiled without aux outputs is never reused with them."""
     return {"additional_config": {"hscapture": {"layers": settings.layers, "last": settings.capture_last}}}
-
-
-def endpoint_for(base: str, dp_rank: int, dp_size: int) -> str:
-    """One stream per data-parallel rank; plain TP has a single one."""
-    return base if dp_size <= 1 else f"{base}-dp{dp_rank}"
 
 
 #: The capture of this process (a vLLM worker), made by :func:`load_plugin`.
@@ -247,14 +223,11 @@ def store_key(req_id: str, params: Any) -> str:
     return head if sep and len(tail) == 8 and not os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION") else req_id
 
 
-class VLLMCapture:
+class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", logger=log):
     """Per worker process: turns vLLM V1 runner steps into ``EngineProducer`` calls."""
 
     def __init__(self, settings: PluginSettings) -> None:
-        self.settings = settings
-        self.producer: Any = None
-        self.enabled = True
-        self.layers: tuple[int, ...] = ()
+        super().__init__(settings)
         self.requests: dict[str, _Request] = {}
         #: The last step's store keys and rows per request, passed again as the same objects while they hold.
         self._owners: tuple[tuple[str, ...], tuple[int, ...]] | None = None
@@ -437,45 +410,23 @@ class VLLMCapture:
             raise RuntimeError(f"hscapture cannot capture from vLLM with {'; '.join(reasons)}")
 
     def _start(self, worker: Any, runner: Any, arch: Any, num_layers: int) -> None:
-        from hscapture.producer import Producer
+        import vllm
 
         config = worker.vllm_config
         model_config = config.model_config
-        hidden = model_config.get_hidden_size()
-        dp_size = int(config.parallel_config.data_parallel_size)
-        dp_rank = int(config.parallel_config.data_parallel_rank)
-        row_bytes = (len(self.layers) + self.settings.capture_last) * hidden * model_config.dtype.itemsize
-        max_rows = int(config.scheduler_config.max_num_batched_tokens)
-        slot_bytes = self.settings.slot_bytes or default_slot_bytes(row_bytes)
-        device = "cpu" if torch.device(runner.device).type == "cpu" else f"cuda:{torch.cuda.current_device()}"
-        capture = CaptureConfig(
-            layers=self.layers,
-            hidden_size=hidden,
+        loaded = LoadedModel(
+            version=vllm.__version__,
+            model=str(model_config.model),
+            hidden_size=model_config.get_hidden_size(),
             num_layers=num_layers,
-            capture_last=self.settings.capture_last,
-            dtype=dtype_name(model_config.dtype),
-            slot_bytes=slot_bytes,
-            ring_bytes=self.settings.ring_bytes or default_ring_bytes(slot_bytes, row_bytes, max_rows),
-            max_step_rows=max_rows,
-            policy=self.settings.policy,  # type: ignore[arg-type]
-            endpoint=endpoint_for(self.settings.endpoint, dp_rank, dp_size),
-            device=device,
-            block_timeout_s=self.settings.block_timeout_s,
+            dtype=model_config.dtype,
+            max_rows=int(config.scheduler_config.max_num_batched_tokens),
+            dp_rank=int(config.parallel_config.data_parallel_rank),
+            dp_size=int(config.parallel_config.data_parallel_size),
+            device="cpu" if torch.device(runner.device).type == "cpu" else f"cuda:{torch.cuda.current_device()}",
         )
-        import vllm
-
-        meta = {
-            "engine": "vllm",
-            "vllm_version": vllm.__version__,
-            "model": str(model_config.model),
-            "architecture": arch.name,
-            "vllm_aux_layers": list(self.layers),
-            "dp_rank": dp_rank,
-            "dp_size": dp_size,
-            **self.settings.meta,
-        }
         descriptions = arch.describe(self.layers, num_layers, self.settings.capture_last)
-        self.producer = Producer(capture, tensor_descriptions=descriptions, meta=meta)
+        capture = self._open(arch.name, descriptions, loaded)
         log.info("hscapture: capturing layers %s (+last=%s) to %s", self.layers, capture.capture_last, capture.endpoint)
 
     def close(self, reason: str) -> None:
@@ -487,18 +438,3 @@ class VLLMCapture:
             except Exception:
                 log.exception("hscapture: ending the open requests failed")
         self._shut("closed")
-
-    def _fail(self, exc: BaseException) -> None:
-        """Capture failed while serving: log the cause, end the producer's run with it, serve on."""
-        cause = f"{type(exc).__name__}: {exc}"
-        log.error("hscapture: capture failed, serving goes on without it: %s", cause, exc_info=exc)
-        self._shut("capture failed", error=cause)
-
-    def _shut(self, why: str, error: str = "") -> None:
-        self.enabled = False
-        producer, self.producer = self.producer, None
-        if producer is not None:
-            try:
-                producer.close(error=error)
-            except Exception:
-                log.exception("hscapture: closing the producer (%s) failed", why)

@@ -19,58 +19,42 @@ the same row once it is loaded (:func:`captured_layers`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from hscapture.config import eagle3_default_layers, num_layers_of, read_model_config, resolve_layers
-
-log = logging.getLogger(__name__)
+from hscapture.integrations import engines
+from hscapture.integrations.engines import EngineArchitecture
 
 
 @dataclass(frozen=True)
-class Architecture:
-    """How one vLLM model class captures aux layers."""
+class Architecture(EngineArchitecture):
+    """How one vLLM model class captures aux layers: :attr:`stack` is under ``vllm.model_executor.models.``, it holds
+    ``aux_hidden_state_layers``; :attr:`first_layer` is 0 (the embedding output) for Llama and Qwen, 1 for DeepSeek;
+    ``cpu-test`` rows run in tests/test_vllm.py on vLLM's CPU path, ``source`` rows were read from vLLM 0.32's source.
+    Layer ``L`` is the pre-norm output of the last layer."""
 
-    #: The HF ``architectures[0]`` of config.json: the class vLLM builds.
-    name: str
-    #: ``module.Class`` (under ``vllm.model_executor.models.``) of the stack holding ``aux_hidden_state_layers``.
-    stack: str
-    #: Lowest layer id vLLM can capture: 0 (the embedding output) for Llama and Qwen, 1 for DeepSeek.
-    first_layer: int
-    #: ``cpu-test`` (run by tests/test_vllm.py on vLLM's CPU path) or ``source`` (read from vLLM 0.32's source only).
-    checked: str
-
-    def layer_range(self, num_layers: int) -> tuple[int, int]:
-        """The first and last hscapture layer ids this architecture can capture (``L``: the pre-norm output)."""
-        return self.first_layer, num_layers
+    FINAL_STATE: ClassVar[str] = (
+        "final hidden state after the model's last norm (vLLM's hidden_states, the LM head input)"
+    )
 
     def describe(self, layers: Sequence[int], num_layers: int, capture_last: bool) -> list[str]:
         """One sentence per stored tensor saying exactly what vLLM captured for this architecture."""
-        out = []
-        for k in layers:
-            if k == 0:
-                out.append(f"embedding output (vLLM {self.name} aux layer 0), HF output_hidden_states[0]")
-            elif k == num_layers:
-                out.append(
-                    f"residual stream leaving the last decoder layer, before the final norm (vLLM {self.name} aux "
-                    f"layer {k}); not HF output_hidden_states[{k}], which is after the norm"
-                )
-            else:
-                out.append(
-                    f"residual stream entering decoder layer {k} (hidden + residual before its input norm); "
-                    f"vLLM {self.name} aux layer {k}, HF output_hidden_states[{k}]"
-                )
-        if capture_last:
-            out.append("final hidden state after the model's last norm (vLLM's hidden_states, the LM head input)")
-        return out
+        return self.descriptions(layers, capture_last, num_layers)
+
+    def layer_description(self, k: int, num_layers: int | None) -> str:
+        if k == 0:
+            return f"embedding output (vLLM {self.name} aux layer 0), HF output_hidden_states[0]"
+        if k == num_layers:
+            return (
+                f"residual stream leaving the last decoder layer, before the final norm (vLLM {self.name} aux "
+                f"layer {k}); not HF output_hidden_states[{k}], which is after the norm"
+            )
+        return self.residual_stream(k, f"vLLM {self.name} aux layer {k}")
 
 
-def _rows(names: Sequence[str], **fields: Any) -> dict[str, Architecture]:
-    return {name: Architecture(name=name, **fields) for name in names}
-
+_rows = Architecture.rows
 
 #: Every architecture hscapture captures from with vLLM, by config.json ``architectures[0]``.
 ARCHITECTURES: dict[str, Architecture] = {
@@ -92,14 +76,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def architecture(name: str) -> Architecture:
     """The table row of a vLLM model class, or a ValueError naming the ones hscapture knows."""
-    try:
-        return ARCHITECTURES[name]
-    except KeyError:
-        raise ValueError(
-            f"vLLM architecture {name!r}: hscapture does not know which tensor vLLM's aux capture keeps for it, "
-            f"so it cannot describe what it would store; supported: {', '.join(sorted(ARCHITECTURES))} "
-            "(hscapture/integrations/vllm_models.py lists what each one captures)"
-        ) from None
+    return engines.table_row(ARCHITECTURES, name, "vLLM")
 
 
 def capture_layers(arch: Architecture, num_layers: int, layers: str | Sequence[int] | None) -> tuple[int, ...]:
@@ -109,12 +86,7 @@ def capture_layers(arch: Architecture, num_layers: int, layers: str | Sequence[i
     Raises:
         ValueError: a layer this architecture cannot capture (DeepSeek's 0, anything past ``L``), or none.
     """
-    if layers is None:
-        return eagle3_default_layers(num_layers)
-    chosen = tuple(sorted(set(resolve_layers(layers, num_layers, arch.layer_range(num_layers), f"vLLM's {arch.name}"))))
-    if not chosen:
-        raise ValueError("--layers: vLLM's aux capture needs at least one layer id (it always captures some)")
-    return chosen
+    return engines.capture_layers(arch, num_layers, layers, "vLLM")
 
 
 @dataclass(frozen=True)
@@ -133,17 +105,7 @@ def launch_plan(model: Path | str, layers: str | Sequence[int] | None) -> Launch
     Raises:
         ValueError: no config.json, an architecture hscapture does not know, a layer it cannot capture.
     """
-    config = read_model_config(model)
-    names = config.get("architectures") or []
-    if not names:
-        raise ValueError(f"{model}: config.json has no architectures entry; vLLM needs one to pick its model")
-    arch = architecture(names[0])
-    if arch.checked == "source":
-        log.warning(
-            "what vLLM captures for %s was read from its source; hscapture's tests have not run this architecture",
-            arch.name,
-        )
-    num_layers = num_layers_of(config)
+    arch, num_layers = engines.model_architecture(model, ARCHITECTURES, "vLLM")
     return LaunchPlan(arch, num_layers, capture_layers(arch, num_layers, layers))
 
 
@@ -167,17 +129,9 @@ def captured_layers(model: Any, num_layers: int, expected: Sequence[int]) -> tup
         RuntimeError: an unknown architecture, a stack other than the one the table was read from, or layers
             other than ``expected``.
     """
-    try:
-        arch = architecture(type(model).__name__)
-    except ValueError as exc:
-        raise RuntimeError(str(exc)) from None
+    arch = engines.loaded_architecture(model, ARCHITECTURES, "vLLM")
     stack = find_stack(model)
-    stack_name = f"{type(stack).__module__.removeprefix('vllm.model_executor.models.')}.{type(stack).__qualname__}"
-    if stack_name != arch.stack:
-        raise RuntimeError(
-            f"vLLM's {arch.name} keeps its aux layers in {stack_name}, not {arch.stack} whose capture hscapture "
-            "has checked; this vLLM version differs from the one hscapture's table was read from"
-        )
+    engines.check_stack(arch, stack, "vllm.model_executor.models.", "vLLM", "aux layers")
     listed = list(stack.aux_hidden_state_layers)
     layers = tuple(sorted(set(listed)))
     if list(layers) != sorted(set(expected)) or len(layers) != len(listed):
