@@ -41,6 +41,14 @@ def run_cli(
         )
     from hscapture import cli
 
+    return run_main(cli.main, argv, env, program="hscapture")
+
+
+def run_main(
+    main: Callable[[list[str]], int], argv: list[str], env: dict[str, str] | None = None, program: str = "main"
+) -> subprocess.CompletedProcess[str]:
+    """``main(argv)`` of a command line, called in this process as its script would run it: its exit status, what it
+    printed to stdout and stderr, the logging, signal handlers and ``env`` variables it changed put back after."""
     root = logging.getLogger()  # the command line configures logging and signals: left as they were after
     handlers, level = root.handlers[:], root.level
     signals = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -49,7 +57,7 @@ def run_cli(
     os.environ.update(env or {})
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            status = cli.main(argv)
+            status = main(argv)
         except SystemExit as exc:  # argparse's own refusals
             status = exc.code if isinstance(exc.code, int) else 1
         finally:
@@ -62,7 +70,7 @@ def run_cli(
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-    return subprocess.CompletedProcess(["hscapture", *argv], status, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([program, *argv], status, out.getvalue(), err.getvalue())
 
 
 def start_cli(*args: str | Path, **popen: object) -> subprocess.Popen:

@@ -25,6 +25,7 @@ from benchmarks.lean_llama import TINY, KVCache, LeanLlama, random_llama
 from hscapture import open_store
 from hscapture.config import resolve_layers
 from hscapture.integrations.hf import eagle3_default_layers
+from tests.conftest import run_cli, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {
@@ -48,8 +49,14 @@ Text below the table stays.
 """
 
 
-def run_bench(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, *map(str, args)]
+def run_bench(*args: str | Path, in_process: bool = False, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``python benchmarks/run.py ARGS``: a process of its own (a suite's run, as its users start it), or its main in
+    this process (``in_process``: a refusal or a skip, where no process boundary is under test)."""
+    if in_process:
+        from benchmarks import run
+
+        return run_main(run.main, [str(a) for a in args], program="benchmarks/run.py")
+    command = [sys.executable, "benchmarks/run.py", *map(str, args)]
     return subprocess.run(command, cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -110,7 +117,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subp
     results, readme = base / "results", base / "README.md"
     readme.write_text(README_TEXT)
     done = run_bench(
-        "benchmarks/run.py", "gpu", "--tiny", "--device", "cpu", "--results-dir", results, "--readme", readme,
+        "gpu", "--tiny", "--device", "cpu", "--results-dir", results, "--readme", readme,
         "--work-dir", base / "work" / "new",  # created by the suite
     )  # fmt: skip
     assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
@@ -174,9 +181,8 @@ def test_hscapture_bench_redraws_a_record_into_another_readme(
     results, _, _ = tiny_run
     readme = tmp_path / "README.md"
     readme.write_text(README_TEXT)
-    done = run_bench(
-        "-m", "hscapture", "bench", "gpu", "--from-json", results / "gpu-tiny-cpu.json", "--results-dir", tmp_path,
-        "--readme", readme,
+    done = run_cli(  # in this process; the bench command starts run.py in its own
+        "bench", "gpu", "--from-json", results / "gpu-tiny-cpu.json", "--results-dir", tmp_path, "--readme", readme,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "| decode bs1 | off |" in readme.read_text()
@@ -185,7 +191,7 @@ def test_hscapture_bench_redraws_a_record_into_another_readme(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without a GPU")
 def test_gpu_suite_skips_without_a_gpu_and_writes_nothing(tmp_path: Path) -> None:
-    done = run_bench("benchmarks/run.py", "gpu", "--results-dir", tmp_path, "--readme", tmp_path / "README.md")
+    done = run_bench("gpu", "--results-dir", tmp_path, "--readme", tmp_path / "README.md", in_process=True)
     assert done.returncode == 0
     assert "gpu suite skipped: no CUDA GPU visible" in done.stderr and "--tiny" in done.stderr
     assert list(tmp_path.iterdir()) == []
@@ -193,8 +199,8 @@ def test_gpu_suite_skips_without_a_gpu_and_writes_nothing(tmp_path: Path) -> Non
 
 def test_gpu_suite_refuses_bad_settings_naming_the_option(tmp_path: Path) -> None:
     done = run_bench(
-        "benchmarks/run.py", "gpu", "--tiny", "--device", "cpu", "--prefill-tokens", "65", "--prefill-seqs", "2",
-        "--results-dir", tmp_path,
+        "gpu", "--tiny", "--device", "cpu", "--prefill-tokens", "65", "--prefill-seqs", "2",
+        "--results-dir", tmp_path, in_process=True,
     )  # fmt: skip
     assert done.returncode == 2
     assert "--prefill-tokens 65 is not a multiple of --prefill-seqs 2" in done.stderr
@@ -206,7 +212,7 @@ def test_a_suite_refuses_a_work_dir_it_cannot_create(tmp_path: Path, suite: tupl
     """Before any work, in one line naming the option (a missing one is made: see tiny_run)."""
     (tmp_path / "a-file").write_text("")
     done = run_bench(
-        "benchmarks/run.py", *suite, "--results-dir", tmp_path / "results", "--work-dir", tmp_path / "a-file" / "work",
+        *suite, "--results-dir", tmp_path / "results", "--work-dir", tmp_path / "a-file" / "work", in_process=True,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
     assert "--work-dir: " in done.stderr and "a-file/work' is not writable" in done.stderr
@@ -295,7 +301,7 @@ def test_parallel_suite_tiny_cpu_compares_two_jobs_with_one(tmp_path: Path) -> N
     readme = tmp_path / "README.md"
     readme.write_text("<!-- bench:parallel-tiny-cpu:begin -->\nold\n<!-- bench:parallel-tiny-cpu:end -->\n")
     done = run_bench(
-        "benchmarks/run.py", "parallel", "--tiny", "--device", "cpu", "--tokens", "3000", "--conversations", "6",
+        "parallel", "--tiny", "--device", "cpu", "--tokens", "3000", "--conversations", "6",
         "--results-dir", tmp_path / "results", "--readme", readme, "--work-dir", tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
@@ -314,7 +320,7 @@ def test_parallel_suite_tiny_cpu_compares_two_jobs_with_one(tmp_path: Path) -> N
 def test_parallel_suite_without_enough_gpus_says_so_and_writes_nothing(tmp_path: Path) -> None:
     if torch.cuda.device_count() >= 64:
         pytest.skip("this host has 64 GPUs")
-    done = run_bench("benchmarks/run.py", "parallel", "--jobs", "64", "--results-dir", tmp_path, "--readme", tmp_path)
+    done = run_bench("parallel", "--jobs", "64", "--results-dir", tmp_path, "--readme", tmp_path, in_process=True)
     assert done.returncode == 0 and "--jobs 64 needs 64 GPUs" in done.stderr, done.stderr
 
 
@@ -334,7 +340,7 @@ def test_read_suite_tiny_writes_its_record_table_and_chart(tmp_path: Path) -> No
     results, readme = tmp_path / "results", tmp_path / "README.md"
     readme.write_text(READ_README)
     done = run_bench(
-        "benchmarks/run.py", "read", "--tiny", "--repeats", "2", "--results-dir", results, "--readme", readme,
+        "read", "--tiny", "--repeats", "2", "--results-dir", results, "--readme", readme,
         "--work-dir", tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
@@ -359,7 +365,7 @@ def test_read_suite_tiny_writes_its_record_table_and_chart(tmp_path: Path) -> No
 
 
 def test_read_suite_refuses_bad_settings_before_writing_a_store(tmp_path: Path) -> None:
-    done = run_bench("benchmarks/run.py", "read", "--tiny", "--sample-tokens", "-3", "--results-dir", tmp_path)
+    done = run_bench("read", "--tiny", "--sample-tokens", "-3", "--results-dir", tmp_path, in_process=True)
     assert done.returncode == 2
     assert "read suite: error: --sample-tokens -3: must be > 0" in done.stderr
     assert list(tmp_path.iterdir()) == []

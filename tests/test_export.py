@@ -33,6 +33,7 @@ from hscapture.export import MANIFEST, ExportOptions, export
 from hscapture.extract import ExtractOptions, extract
 from hscapture.store.writer import StoreWriter
 from hscapture.tiny import write_demo_jsonl
+from tests.conftest import run_cli
 from tests.storefeed import Feed, make_layout, make_request
 from tests.trainer_readers import (
     require,
@@ -101,12 +102,6 @@ def trained_keys(store_dir: Path) -> list[str]:
 def manifest_ids(out: Path) -> dict[int, str]:
     lines = [json.loads(line) for line in (out / MANIFEST).read_text().splitlines()]
     return {line["index"]: line["id"] for line in lines[1:]}
-
-
-def run_cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hscapture", *map(str, args)], capture_output=True, text=True, timeout=300, env=env
-    )
 
 
 def specforge_files(out: Path) -> list[Path]:
@@ -433,9 +428,7 @@ def test_incomplete_samples_are_skipped_or_exported_up_to_their_first_gap(
 
 def test_export_cli_limit_and_progress(store_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "limited"
-    result = run_cli(
-        "export", store_dir, out, "--format", "specforge", "--limit", "3", env={**os.environ, "COLUMNS": "100"}
-    )
+    result = run_cli("export", store_dir, out, "--format", "specforge", "--limit", "3", env={"COLUMNS": "100"})
     assert result.returncode == 0, result.stderr
     assert "export specforge" in result.stderr and "3/3" in result.stderr  # the tqdm bar
     assert len(specforge_files(out)) == 3

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from hscapture.data import Sample, load_samples, pad_batch, padded_length, plan_
 from hscapture.extract import ExtractOptions, extract
 from hscapture.integrations.hf import AttentionKernels, decoder, eagle3_default_layers, forward_batch
 from hscapture.tiny import write_demo_jsonl
-from tests.conftest import cli_refusal, start_cli
+from tests.conftest import cli_refusal, run_cli, start_cli
 
 BATCH_TOKENS = 1024
 PAD_TO = ExtractOptions.pad_to_multiple  # the default: the store must hold the rows of the batches extract ran
@@ -254,10 +253,9 @@ def test_interrupted_extraction_resumes_with_each_sample_once(tiny_model: Path, 
     first.wait()
     partial = open_store(out) if (out / "meta.json").exists() else None
     assert partial is not None and 20 <= len(partial.keys(complete_only=True)) < 200
-    second = start_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, stderr = second.communicate(timeout=300)
-    assert second.returncode == 0, stderr
-    assert "resuming" in stderr and "already captured" in stderr
+    second = run_cli(*args)  # the resume: no process boundary under test
+    assert second.returncode == 0, second.stderr
+    assert "resuming" in second.stderr and "already captured" in second.stderr
     store = open_store(out)
     assert len(store.keys(complete_only=True)) == 200
     complete = [

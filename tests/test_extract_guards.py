@@ -30,7 +30,7 @@ from hscapture.store.reader import open_store
 from hscapture.store.records import DUPLICATE
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
-from tests.conftest import cli_refusal
+from tests.conftest import cli_refusal, run_cli
 from tests.storefeed import Feed, make_layout, make_request, shard_bytes
 
 
@@ -113,7 +113,7 @@ def test_a_second_extraction_into_the_same_store_is_refused_at_once(
             assert first.poll() is None and time.monotonic() < deadline, "the first extraction never took the store"
             time.sleep(0.05)
         first.send_signal(signal.SIGSTOP)
-        second = subprocess.run([sys.executable, "-m", "hscapture", *args], capture_output=True, text=True, timeout=120)
+        second = run_cli(*args)
         first.send_signal(signal.SIGCONT)
         assert second.returncode == 1, second.stderr
         (line,) = second.stderr.strip().splitlines()
@@ -179,7 +179,7 @@ def test_records_without_an_assistant_turn_are_stored_and_counted(tiny_model: Pa
     )
     out = tmp_path / "store"
     args = ["extract", "--model", str(tiny_model), "--data", str(data), "--out", str(out), "--no-progress"]
-    done = subprocess.run([sys.executable, "-m", "hscapture", *args], capture_output=True, text=True, timeout=300)
+    done = run_cli(*args)
     assert done.returncode == 0, done.stderr
     assert "warning: 2 of the 3 samples captured have an empty loss mask" in done.stderr
     store = open_store(out)

@@ -9,9 +9,8 @@ bf16 rounds once more (8 significant bits: at most 2**-8 of the value).
 from __future__ import annotations
 
 import json
+import logging
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,6 @@ import torch
 
 from hscapture import CaptureConfig, Producer, open_store
 from hscapture.config import DTYPES, ConsumerConfig
-from hscapture.consumer import consume_command
 from hscapture.errors import StoreError
 from hscapture.fp8 import (
     E4M3_MAX,
@@ -34,7 +32,7 @@ from hscapture.fp8 import (
 )
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
-from tests.conftest import wait_attached
+from tests.conftest import ConsumerFactory, run_cli, wait_attached
 from tests.storefeed import (
     HIDDEN,
     NAMES,
@@ -283,9 +281,7 @@ def test_fp8_store_files_reader_and_verify(tmp_path: Path) -> None:
         report = verify_store(tmp_path)
         assert [(c.id, c.tensors) for c in report.corrupted] == [(1, [tensor])]
         flip(files[1], base + (begin + end) // 2)  # undo
-    result = subprocess.run(
-        [sys.executable, "-m", "hscapture", "verify", str(tmp_path)], capture_output=True, text=True, timeout=120
-    )
+    result = run_cli("verify", tmp_path)
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
 
 
@@ -329,34 +325,36 @@ def test_rows_handed_in_quantized_make_the_same_files(tmp_path: Path) -> None:
 @pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_fp8_store_from_a_host_ring_is_quantized_out_of_the_ring(
-    tmp_path: Path, endpoint: str, dtype: str, threads: int
+    tmp_path: Path,
+    endpoint: str,
+    start_consumer: ConsumerFactory,
+    caplog: pytest.LogCaptureFixture,
+    dtype: str,
+    threads: int,
 ) -> None:
-    """A real consumer of a host ring quantizes each chunk where it lies (no copy of the slot), in pieces
-    where a chunk spans shards, on its own thread or several at once, and stores the torch passes' bits;
-    counts the non-finite values per shard; the store verifies."""
+    """A real consumer of a host ring (on a thread: no process boundary is under test) quantizes each chunk where it
+    lies (no copy of the slot), in pieces where a chunk spans shards, on its own thread or several at once, and
+    stores the torch passes' bits; counts the non-finite values per shard; the store verifies."""
     if host_kernels() is None:
         pytest.skip("no fused kernel: numba missing or disabled")
     rows = special_rows(DTYPES[dtype], tensors=4, n=60, hidden=HIDDEN)  # special rows in the first request
     config = CaptureConfig(layers=(1, 2, 3), hidden_size=HIDDEN, num_layers=4, dtype=dtype, device="cpu",
                            slot_bytes=1 << 16, max_step_rows=32, policy="block", endpoint=endpoint)  # fmt: skip
     row_bytes = 4 * HIDDEN * DTYPES[dtype].itemsize
-    options = ("--exit-on-eos", "--store-dtype", "fp8", "--heartbeat-ms", "50", "--shard-bytes", str(7 * row_bytes),
+    options = ("--exit-on-eos", "--store-dtype", "fp8", "--shard-bytes", str(7 * row_bytes),
                "--quantize-threads", str(threads))  # fmt: skip
-    consumer = subprocess.Popen(consume_command(endpoint, tmp_path, *options), stderr=subprocess.PIPE, text=True)
+    caplog.set_level(logging.INFO, logger="hscapture.consumer")
+    consumer = start_consumer(tmp_path, endpoint, *options, in_process=True)
     steps = [(0, 20), (20, 45), (45, 60)]
-    try:
-        producer = Producer(config, tensor_descriptions=[f"tensor {i}" for i in range(4)], meta={"engine": "test"})
-        wait_attached(producer)
-        for step, (begin, end) in enumerate(steps):
-            producer.capture_step([plane[begin:end] for plane in rows], [f"r{step}"], [end - begin],
-                                  np.arange(end - begin), np.arange(begin, end))  # fmt: skip
-            producer.finish_request(f"r{step}", num_tokens=end - begin)
-        producer.close()
-        _, stderr = consumer.communicate(timeout=120)
-    finally:
-        consumer.kill()
-    assert consumer.returncode == 0, stderr
-    assert f"fp8 quantized out of the ring on {threads} threads" in stderr
+    producer = Producer(config, tensor_descriptions=[f"tensor {i}" for i in range(4)], meta={"engine": "test"})
+    wait_attached(producer)
+    for step, (begin, end) in enumerate(steps):
+        producer.capture_step([plane[begin:end] for plane in rows], [f"r{step}"], [end - begin],
+                              np.arange(end - begin), np.arange(begin, end))  # fmt: skip
+        producer.finish_request(f"r{step}", num_tokens=end - begin)
+    producer.close()
+    assert consumer.wait(120) == 0, caplog.text[-3000:]
+    assert f"fp8 quantized out of the ring on {threads} threads" in caplog.text
     store = open_store(tmp_path)
     assert store.quantized and sorted(store.keys(complete_only=True)) == ["r0", "r1", "r2"]
     assert len(shard_files(tmp_path)) == 9, "7 rows a shard: chunks of 20 and 25 rows span shards"
@@ -451,8 +449,7 @@ def test_real_hidden_states_in_fp8_within_the_bound_in_half_the_bytes(tiny_store
 
 def test_extract_refuses_another_storage_dtype_before_loading_the_model(tiny_store: Path, tiny_model: Path) -> None:
     index = (tiny_store / "index.jsonl").read_bytes()
-    command = [sys.executable, "-m", "hscapture", "extract", "--out", str(tiny_store), "--model", str(tiny_model)]
-    result = subprocess.run([*command, "--store-dtype", "fp8"], capture_output=True, text=True, timeout=120)
+    result = run_cli("extract", "--out", tiny_store, "--model", tiny_model, "--store-dtype", "fp8")
     assert result.returncode == 1
     assert "stores rows as bfloat16, not float8_e4m3fn" in result.stderr
     assert (tiny_store / "index.jsonl").read_bytes() == index

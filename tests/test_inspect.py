@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from hscapture import open_store
+from tests.conftest import run_cli
 from tests.workload import HIDDEN, Workload
 
 
 def inspect_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "hscapture", "inspect", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
+    return run_cli("inspect", *args)
 
 
 def test_inspect_json_adds_up_to_the_store(streaming_store: tuple[Path, Workload]) -> None:

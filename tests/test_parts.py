@@ -169,7 +169,7 @@ def test_two_shard_jobs_at_once_one_killed_and_resumed_equal_one_unsharded_job(
     killed_with = len(open_store(part0).keys(complete_only=True))
     assert 8 <= killed_with < share
 
-    resumed = run_cli(*extract_args(tiny_model, equal_data, out, "--shard", "0/2", "--no-progress"), in_process=False)
+    resumed = run_cli(*extract_args(tiny_model, equal_data, out, "--shard", "0/2", "--no-progress"))
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming {part0}: {killed_with} samples already captured, {share - killed_with} to go" in resumed.stderr
     assert f"store {part0}:" in resumed.stdout
@@ -220,9 +220,7 @@ def test_data_parallel_jobs_share_the_batches_under_one_bar(
     together = open_store(out)
     assert isinstance(together, StoreSet) and together.problems == [] and together.duplicates == {}
     assert_same_rows(together, open_store(unsharded), open_store(unsharded).keys())
-    again = run_cli(
-        *extract_args(tiny_model, equal_data, out, "--data-parallel", "3", "--no-progress"), in_process=False
-    )
+    again = run_cli(*extract_args(tiny_model, equal_data, out, "--data-parallel", "3", "--no-progress"))
     assert again.returncode == 0 and "nothing to capture" not in again.stderr, again.stderr
     assert "captured 0 samples" in again.stdout and f"{RECORDS} were already there" in again.stdout
     assert f"store {out} (2 parts): {RECORDS} complete samples" in again.stdout
@@ -295,9 +293,7 @@ def test_a_killed_data_parallel_job_stops_the_others_and_a_rerun_completes_the_s
     assert len(before[0]) >= 8 and sum(map(len, before)) < RECORDS
     assert open_store(out / "dp1").metadata()["runs"][-1]["end"] is not None, "dp1 was not let finish its store"
 
-    resumed = run_cli(
-        *extract_args(tiny_model, equal_data, out, "--data-parallel", "2", "--no-progress"), in_process=False
-    )
+    resumed = run_cli(*extract_args(tiny_model, equal_data, out, "--data-parallel", "2", "--no-progress"))
     assert resumed.returncode == 0, resumed.stderr
     done = sum(map(len, before))
     assert f"resuming {out}: {done} samples already captured, {RECORDS - done} to go" in resumed.stderr
@@ -317,9 +313,7 @@ def test_a_failing_job_stops_the_others_with_its_error(tiny_model: Path, tmp_pat
     foreign.mkdir(parents=True)
     meta = json.loads((unsharded / "meta.json").read_text())
     (foreign / "meta.json").write_text(json.dumps({**meta, "hidden_size": 999}))
-    done = run_cli(
-        "extract", "--model", tiny_model, "--data", data, "--out", out, "--data-parallel", "2", in_process=False
-    )
+    done = run_cli("extract", "--model", tiny_model, "--data", data, "--out", out, "--data-parallel", "2")
     assert done.returncode == 1, done.stderr
     assert "hscapture extract: failed: dp1: " in done.stderr, done.stderr
     stopped = open_store(out / "dp0")

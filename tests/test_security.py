@@ -31,7 +31,7 @@ from hscapture.producer import Producer
 from hscapture.protocol import PROTOCOL_VERSION, Hello
 from hscapture.ring import SHM_DIR, reclaim_host_rings
 from hscapture.transport import announce_endpoint, release_endpoint, token_path
-from tests.conftest import ConsumerFactory, OtherUser, cli_refusal, wait_attached
+from tests.conftest import ConsumerFactory, OtherUser, cli_refusal, run_cli, wait_attached
 from tests.workload import Workload, make_config, make_producer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -266,8 +266,8 @@ def test_a_consumer_of_another_key_is_told_its_key_is_refused_until_the_producer
 ) -> None:
     """The UX across users or hosts: `hscapture keys` on each side, the producer's id.key copied, --allow."""
     producer_keys, consumer_keys = tmp_path / "producer-keys", tmp_path / "consumer-keys"
-    keys_command = [sys.executable, "-m", "hscapture", "keys"]
-    shown = subprocess.run([*keys_command, "--keys", str(consumer_keys)], capture_output=True, text=True, check=True)
+    shown = run_cli("keys", "--keys", consumer_keys)
+    assert shown.returncode == 0, shown.stderr
     assert str(consumer_keys / PUBLIC) in shown.stdout
     producer = tcp_producer(keys=producer_keys)
     endpoint = producer.config.endpoint
@@ -284,9 +284,8 @@ def test_a_consumer_of_another_key_is_told_its_key_is_refused_until_the_producer
         assert "CURVE handshake" in wrong.stderr() and "--producer-key" in wrong.stderr(), wrong.stderr()[-2000:]
         assert not producer.attached
 
-        subprocess.run(
-            [*keys_command, "--keys", str(producer_keys), "--allow", str(consumer_keys / PUBLIC)], check=True
-        )
+        allowed = run_cli("keys", "--keys", producer_keys, "--allow", consumer_keys / PUBLIC)
+        assert allowed.returncode == 0, allowed.stderr
         admitted = consumer_run(endpoint, *options)  # the running producer reads allowed/ again
         wait_attached(producer)
         workload = Workload(seed=62)
@@ -458,7 +457,7 @@ def test_a_killed_extraction_leaves_nothing_once_the_next_ran_and_a_clean_one_le
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert leftovers(killed.pid)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = run_cli(*command[3:])  # the next run, in this process: it must clear what the killed process left
     assert done.returncode == 0, done.stderr[-2000:]
     assert leftovers(killed.pid) == [], "what the killed extraction left is still there"
     assert not list(sockets.glob("extract-*")) or all(  # other extractions of this user may be running

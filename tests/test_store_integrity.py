@@ -209,7 +209,7 @@ def test_an_index_cut_in_half_is_found_rebuilt_and_captured_again(
     out = tmp_path / "store"
     extract = ["extract", "--model", str(tiny_model), "--data", str(tiny_demo_data), "--out", str(out)]
     extract += ["--shard-bytes", "256K", "--max-batch-tokens", "256", "--no-progress"]
-    assert run_cli(*extract, in_process=False).returncode == 0
+    assert run_cli(*extract).returncode == 0
     lines = index_lines(out)
     assert sum(b'"type":"shard"' in line for line in lines) >= 3, "the store needs several shards for this test"
     (out / "index.jsonl").write_bytes(b"".join(lines[: len(lines) // 2]))
@@ -225,7 +225,7 @@ def test_an_index_cut_in_half_is_found_rebuilt_and_captured_again(
     store = open_store(out)
     assert len(store.keys()) == TINY_SAMPLES and len(store.keys(complete_only=True)) == left
 
-    again = run_cli(*extract, in_process=False)
+    again = run_cli(*extract)
     assert again.returncode == 0, again.stderr
     store = open_store(out)
     assert len(store.keys(complete_only=True)) == TINY_SAMPLES
