@@ -329,7 +329,7 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
         seen = np.concatenate([[0], np.cumsum(keep)])
         per_request = (seen[bounds[1:]] - seen[bounds[:-1]]).tolist()  # host numpy, not a device tensor
         owners = [key for key, n in zip(keys, per_request) if n]
-        kept = [int(n) for n in per_request if n]
+        kept = [n for n in per_request if n]
         index = torch.from_numpy(rows).to(states[0].device, non_blocking=True)
         self.producer.capture_step(states, owners, kept, positions[rows], token_ids[rows], index)
 
