@@ -218,7 +218,7 @@ def test_a_store_directory_renamed_mid_run_keeps_every_file_of_the_run(tmp_path:
     assert os.listdir(root) == [] and os.listdir(tmp_path / "decoy") == []
     assert verify_store(opened).ok
     store = open_store(opened)
-    assert store.keys(complete_only=True) == list(requests)
+    assert sorted(store.keys(complete_only=True)) == sorted(requests)  # index lines go in as shards flush
     for request_id, request in requests.items():
         got = store.get(request_id)
         assert all(torch.equal(got[name], request.rows[t]) for t, name in enumerate(store.tensor_names))
