@@ -41,7 +41,8 @@ import torch
 
 from hscapture import open_store
 from hscapture.extract import ExtractOptions, extract
-from hscapture.fp8 import E4M3_MAX, FP8, dequantize_rows, quantize_rows
+from hscapture.fp8 import FP8, dequantize_rows, quantize_rows
+from hscapture.fp8_kernel import E4M3_MAX
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "fp8-error-cpu.json"

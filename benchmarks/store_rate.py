@@ -54,7 +54,8 @@ from hscapture import CaptureConfig, Producer
 from hscapture.config import MiB
 from hscapture.consumer import consume_command
 from hscapture.consumer.device_fp8 import crc_kernel
-from hscapture.fp8 import FP8, Quantizer, host_kernels, quantize_into
+from hscapture.fp8 import FP8, Quantizer, quantize_into
+from hscapture.fp8_kernel import host_kernels
 from hscapture.integrations.hf import describe
 from hscapture.store.checksum import row_crcs
 from hscapture.store.shards import DIRECT_ALIGN, page_aligned

@@ -530,12 +530,16 @@ def _bench(suite_args: list[str]) -> int:
 
 
 def _consume(args: argparse.Namespace) -> int:
-    import torch
-
     from hscapture.consumer import Consumer
     from hscapture.consumer.metrics import MetricsReporter
 
-    torch.set_num_threads(1)  # no model here: the writer threads are the parallelism (fp8 quantization)
+    # No model here: the writer threads are the parallelism (fp8 quantization), torch's kernels get one thread.
+    # torch is imported only for a CUDA ring or fp8 rows quantized by torch: then with OMP_NUM_THREADS as set here.
+    torch = sys.modules.get("torch")
+    if torch is not None:  # imported already (this command run in-process)
+        torch.set_num_threads(1)
+    else:
+        os.environ["OMP_NUM_THREADS"] = "1"
 
     config: ConsumerConfig = options_from(ConsumerConfig, args)
     consumer = Consumer(config)

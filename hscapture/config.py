@@ -15,9 +15,10 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made: a consumer writing a store never imports it
+    import torch
 
 MiB = 1 << 20
 #: Slots start on this boundary so every dtype view and vectorised copy is aligned.
@@ -46,12 +47,8 @@ def default_ring_bytes(slot_bytes: int, row_bytes: int, max_rows: int) -> int:
     return max(RING_SLOTS, 2 * -(-max_rows // (slot_bytes // row_bytes))) * slot_bytes
 
 
-#: Storage dtypes by name. The ring and the shards hold rows in exactly this dtype.
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+#: Storage dtypes by name, with their bytes per value. The ring and the shards hold rows in exactly this dtype.
+DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 #: What ``ConsumerConfig.direct_io`` accepts.
 DIRECT_IO = ("auto", "on", "off")
@@ -100,12 +97,21 @@ def store_dtype_name(value: str | None, field_name: str = "store_dtype") -> str 
     )
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``DTYPES`` name."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported for capture; use one of {sorted(DTYPES)}")
+    return getattr(torch, name)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    """The config name of a torch dtype (inverse of ``DTYPES``)."""
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"dtype {dtype} is not supported for capture; use one of {sorted(DTYPES)}")
+    """The config name of a torch dtype (inverse of :func:`torch_dtype`)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported for capture; use one of {sorted(DTYPES)}")
+    return name
 
 
 def eagle3_default_layers(num_layers: int) -> tuple[int, ...]:
@@ -345,22 +351,18 @@ class CaptureConfig:
             )
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"endpoint: {self.endpoint!r} must start with ipc:// or tcp://")
-        try:
-            kind = torch.device(self.device).type
-        except (RuntimeError, TypeError):
-            kind = None
-        if kind not in ("cpu", "cuda"):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
             raise ValueError(f"device: {self.device!r} is not supported; use 'cpu' or 'cuda' / 'cuda:N'")
         if self.block_timeout_s < 0:
             raise ValueError(f"block_timeout_s: must be >= 0 (0 waits forever), got {self.block_timeout_s}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
+        return DTYPES[self.dtype]
 
     @property
     def tensor_names(self) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hscapture.config import DTYPES
+from hscapture.config import DTYPES, torch_dtype
 from hscapture.store.records import Finish
 from hscapture.store.writer import StoreWriter
 from tests.storefeed import DESCRIPTIONS, NAMES, make_layout, write_rows
@@ -44,7 +44,7 @@ class Case:
 
     @property
     def shard_bytes(self) -> int:
-        return self.rows_per_shard * len(NAMES) * self.hidden * DTYPES[self.dtype].itemsize
+        return self.rows_per_shard * len(NAMES) * self.hidden * DTYPES[self.dtype]
 
 
 CASES = {
@@ -79,7 +79,7 @@ def request_rows(case: Case) -> dict[str, tuple[torch.Tensor, np.ndarray]]:
     requests = {}
     for i, n in enumerate(REQUEST_ROWS):
         values = rng.uniform(0.5, 1.5, size=(len(NAMES), n, case.hidden)) * rng.choice([-1.0, 1.0], (len(NAMES), n, 1))
-        requests[f"req-{i}"] = (torch.from_numpy(values).to(DTYPES[case.dtype]), rng.integers(1, 50_000, n))
+        requests[f"req-{i}"] = (torch.from_numpy(values).to(torch_dtype(case.dtype)), rng.integers(1, 50_000, n))
     return requests
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hscapture.config import DTYPES
+from hscapture.config import DTYPES, torch_dtype
+from hscapture.consumer.device_fp8 import RowCrcs
 from hscapture.fp8 import FP8, quantize_into
-from hscapture.store.checksum import RowCrcs
 from hscapture.store.records import Finish
 from hscapture.store.writer import RowGeometry, StoreWriter
 
@@ -27,7 +27,7 @@ ROWS_PER_SHARD = 7
 
 
 def row_bytes(dtype: str, names: Sequence[str] = NAMES, hidden: int = HIDDEN) -> int:
-    return len(names) * hidden * DTYPES[dtype].itemsize
+    return len(names) * hidden * DTYPES[dtype]
 
 
 def shard_bytes(dtype: str) -> int:
@@ -103,7 +103,7 @@ class Request:
 def make_request(n: int, dtype: str, rng: np.random.Generator, num_tensors: int = len(NAMES)) -> Request:
     magnitude = rng.uniform(0.5, 1.5, size=(num_tensors, n, HIDDEN))
     sign = rng.choice([-1.0, 1.0], size=magnitude.shape)
-    rows = torch.from_numpy(magnitude * sign).to(DTYPES[dtype])
+    rows = torch.from_numpy(magnitude * sign).to(torch_dtype(dtype))
     assert bool((rows != 0).all())
     return Request(rows=rows, token_ids=rng.integers(1, 50_000, size=n, dtype=np.int64))
 

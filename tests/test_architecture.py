@@ -65,6 +65,7 @@ TIERS: list[tuple[str, dict[str, list[str]]]] = [
                 "hscapture.errors",
                 "hscapture.ownership",
                 "hscapture.fp8",
+                "hscapture.fp8_kernel",
                 "hscapture.jit",
                 "hscapture.cuda_kernels",
                 "hscapture.data",

@@ -1,12 +1,14 @@
 """The consumer's start-up: what it waits for before a producer can send rows, and what it imports.
 
 The figures are the ``consumer-start`` benchmark's (``benchmarks/README.md``); these tests pin the causes: the
-store's run begins without waiting for its shard buffers to be touched or its kernels to compile, and
-``hscapture consume`` imports no extraction, export or serving code.
+store's run begins without waiting for its shard buffers to be touched or its kernels to compile,
+``hscapture consume`` imports no extraction, export or serving code, and a consumer of a host ring does not
+import torch (2-3 s of a 2-core host's ~2.5 s from launch to attach, before).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -18,9 +20,12 @@ import torch
 
 import hscapture.store.writer as writer_module
 from hscapture import open_store
+from hscapture.consumer import consume_command
+from hscapture.fp8 import dequantize_rows, quantize_rows
 from hscapture.store.shards import ShardBuffer
 from hscapture.store.writer import StoreWriter
 from tests.storefeed import Feed, make_layout, make_request
+from tests.workload import NUM_TENSORS, Workload, make_config, make_producer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,3 +97,50 @@ def test_a_shard_written_while_the_crc_kernel_compiles_is_checksummed_by_zlib(mo
     rows = np.random.default_rng(2).integers(0, 256, (5, 4096), dtype=np.uint8)
     assert row_crcs(rows, compiled=True, wait=False).tolist() == [zlib.crc32(row.tobytes()) for row in rows]
     assert jit._built == {}
+
+
+#: ``hscapture consume ARGS`` in an interpreter where ``import torch`` fails.
+WITHOUT_TORCH = "import sys\nsys.modules['torch'] = None\nfrom hscapture.cli import main\nsys.exit(main(sys.argv[1:]))"
+
+
+@pytest.mark.parametrize("store_dtype", ["as-captured", "fp8"])
+def test_a_consumer_of_a_host_ring_stores_every_row_without_importing_torch(
+    tmp_path: Path, endpoint: str, store_dtype: str
+) -> None:
+    """torch is imported where a tensor is made: a CUDA ring, or fp8 rows quantized by torch (no numba). A host
+    ring's rows reach a store, kept as captured or quantized to fp8 out of the ring, in a consumer that cannot
+    import it, and read back as sent."""
+    if store_dtype == "fp8" and importlib.util.find_spec("numba") is None:
+        pytest.skip("fp8 out of a host ring without torch needs numba (pip install 'hscapture[host-fp8]')")
+    out = tmp_path / "store"
+    extra = ["--store-dtype", "fp8"] if store_dtype == "fp8" else []
+    argv = consume_command(endpoint, out, "--quiet", "--exit-on-eos", *extra)[3:]  # after: python -m hscapture
+    consumer = subprocess.Popen([sys.executable, "-c", WITHOUT_TORCH, *argv], stderr=subprocess.PIPE, text=True)
+    try:
+        producer = make_producer(make_config(endpoint))
+        if not producer.wait_attached(120):
+            consumer.kill()
+            pytest.fail(f"no attach; the consumer said: {consumer.communicate()[1][-3000:]}")
+        workload = Workload(seed=11)
+        for _ in range(40):
+            workload.step(producer)
+        producer.close()
+        _, stderr = consumer.communicate(timeout=120)
+    finally:
+        if consumer.poll() is None:
+            consumer.kill()
+            consumer.wait()
+    assert consumer.returncode == 0, stderr[-3000:]
+    store = open_store(out)
+    assert len(store.tensor_names) == NUM_TENSORS
+    assert store.metadata().get("store_dtype") == ("float8_e4m3fn" if extra else None)
+    assert sorted(store.keys(complete_only=True)) == sorted(workload.finished) and workload.finished
+    for rid in workload.finished:
+        expected, tokens = workload.reference(rid)
+        got = store.get(rid)
+        assert got["input_ids"].tolist() == tokens
+        for t, name in enumerate(store.tensor_names):
+            sent = expected[:, t]
+            if extra:  # what the torch path stores, bit for bit
+                sent = dequantize_rows(*quantize_rows(sent)[:2], sent.dtype)
+            assert torch.equal(got[name], sent), (rid, name)

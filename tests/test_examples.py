@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hscapture import open_store
-from hscapture.config import DTYPES
+from hscapture.config import torch_dtype
 from hscapture.tiny import write_demo_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def check_complete_store(out: Path, keys: list[str], tensors: list[str]) -> None
         assert sample["input_ids"].shape == (n,)
         for name in tensors:
             assert sample[name].shape == (n, store.metadata()["hidden_size"]), name
-            assert sample[name].dtype == DTYPES[store.metadata()["dtype"]], name
+            assert sample[name].dtype == torch_dtype(store.metadata()["dtype"]), name
             assert bool(sample[name].float().abs().sum() > 0), f"{key} {name}: all zeros"
 
 

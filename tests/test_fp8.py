@@ -18,18 +18,10 @@ import pytest
 import torch
 
 from hscapture import CaptureConfig, Producer, open_store
-from hscapture.config import DTYPES, ConsumerConfig
+from hscapture.config import DTYPES, ConsumerConfig, torch_dtype
 from hscapture.errors import StoreError
-from hscapture.fp8 import (
-    E4M3_MAX,
-    FP8,
-    NAN_CODE,
-    Quantizer,
-    dequantize_rows,
-    host_kernels,
-    quantize_into,
-    quantize_rows,
-)
+from hscapture.fp8 import FP8, Quantizer, dequantize_rows, quantize_into, quantize_rows
+from hscapture.fp8_kernel import E4M3_MAX, NAN_CODE, host_kernels
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
 from tests.conftest import ConsumerFactory, run_cli, wait_attached
@@ -337,10 +329,10 @@ def test_fp8_store_from_a_host_ring_is_quantized_out_of_the_ring(
     stores the torch passes' bits; counts the non-finite values per shard; the store verifies."""
     if host_kernels() is None:
         pytest.skip("no fused kernel: numba missing or disabled")
-    rows = special_rows(DTYPES[dtype], tensors=4, n=60, hidden=HIDDEN)  # special rows in the first request
+    rows = special_rows(torch_dtype(dtype), tensors=4, n=60, hidden=HIDDEN)  # special rows in the first request
     config = CaptureConfig(layers=(1, 2, 3), hidden_size=HIDDEN, num_layers=4, dtype=dtype, device="cpu",
                            slot_bytes=1 << 16, max_step_rows=32, policy="block", endpoint=endpoint)  # fmt: skip
-    row_bytes = 4 * HIDDEN * DTYPES[dtype].itemsize
+    row_bytes = 4 * HIDDEN * DTYPES[dtype]
     options = ("--exit-on-eos", "--store-dtype", "fp8", "--shard-bytes", str(7 * row_bytes),
                "--quantize-threads", str(threads))  # fmt: skip
     caplog.set_level(logging.INFO, logger="hscapture.consumer")

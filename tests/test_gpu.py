@@ -13,10 +13,11 @@ import torch
 
 from hscapture import CaptureConfig, HSCaptureError, Producer, open_store
 from hscapture.consumer import consume_command
+from hscapture.consumer.device_fp8 import RowCrcs
 from hscapture.fp8 import quantize_into, quantize_rows
 from hscapture.producer.row_kernel import GraphRows
 from hscapture.ring.cuda import CudaRingReader
-from hscapture.store.checksum import RowCrcs, row_crcs
+from hscapture.store.checksum import row_crcs
 from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, sync_debug, wait_attached
 from tests.storefeed import special_rows

@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 import torch
 
+from hscapture.consumer.device_fp8 import RowCrcs
 from hscapture.errors import StoreError
-from hscapture.store.checksum import RowCrcs, combine_rows, crc32_combine, crc_kernel, row_crcs
+from hscapture.store.checksum import combine_rows, crc32_combine, crc_kernel, row_crcs
 from hscapture.store.format import encode_line
 from hscapture.store.records import Finish
 from hscapture.store.verify import BLOCK_BYTES, ShardCheck, VerifyReport, format_report, verify_store

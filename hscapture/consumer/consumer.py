@@ -29,27 +29,30 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import zmq
 
 from hscapture import protocol
 from hscapture.config import DTYPES, ConsumerConfig
-from hscapture.consumer.device_fp8 import DeviceQuantizer
-from hscapture.consumer.host_fp8 import HostQuantizer
 from hscapture.consumer.metrics import DropTally, Snapshot
 from hscapture.errors import AccessError, HSCaptureError, ProtocolError, short_repr
-from hscapture.fp8 import host_kernels
 from hscapture.ownership import pid_alive, process_place
-from hscapture.ring import CudaRingReader, RingReader, open_ring
+from hscapture.ring import RingReader, open_ring
 from hscapture.ring.host import HostRingReader
 from hscapture.store.records import Finish
 from hscapture.store.writer import Reservation, RowGeometry, StoreWriter
 from hscapture.transport import ConsumerSockets, client_credentials, read_token
 
+if TYPE_CHECKING:  # torch comes in with a CUDA ring or an fp8 store: a bf16 store of a host ring never imports it
+    from hscapture.consumer.device_fp8 import DeviceQuantizer
+    from hscapture.consumer.host_fp8 import HostQuantizer
+
 log = logging.getLogger(__name__)
+
+#: Present on a host with an NVIDIA driver: the consumer then starts CUDA (and imports torch) before its hello.
+NVIDIA_CONTROL = "/dev/nvidiactl"
 
 #: Messages handled per poll wake-up before housekeeping runs again.
 _BATCH = 256
@@ -115,8 +118,11 @@ class Consumer:
         self.consumer_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # First, so that missing keys or a foreign socket directory fail at once, before a store is touched.
         curve = client_credentials(config.endpoint, config.keys, config.producer_key)
-        if torch.cuda.is_available():
-            torch.cuda.init()  # before saying hello: a CUDA ring then opens in a millisecond, not a second
+        if os.path.exists(NVIDIA_CONTROL):  # a GPU host: a CUDA ring then opens in a millisecond, not a second
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.init()
         self.stats = ConsumerStats()
         self.store: StoreWriter | None = None
         if not config.discard:
@@ -133,6 +139,8 @@ class Consumer:
                 direct_io=config.direct_io != "off",
             )
             if self.store.fp8:  # a host ring's rows are quantized by this kernel: compiled before the producer comes
+                from hscapture.fp8_kernel import host_kernels
+
                 threading.Thread(target=host_kernels, name="hscapture-fp8-compile", daemon=True).start()
         self._sockets = ConsumerSockets(config.endpoint, self.consumer_id, curve)
         self._announce, self._release = self._sockets.announce, self._sockets.release
@@ -290,26 +298,32 @@ class Consumer:
             geometry = RowGeometry(
                 tuple(layout.tensor_names), tuple(layout.tensor_descriptions), layout.dtype, layout.hidden_size
             )
-            tensors, dtype = len(layout.tensor_names), DTYPES[layout.dtype]
+            tensors, dtype = len(layout.tensor_names), layout.dtype
             max_rows = layout.slot_bytes // geometry.row_bytes
-            on_gpu = self.store.fp8 and isinstance(ring, CudaRingReader)
-            on_host = self.store.fp8 and isinstance(ring, HostRingReader) and HostQuantizer.available(dtype)
-            quantized = on_gpu or on_host
+            on_host = isinstance(ring, HostRingReader)
+            if self.store.fp8 and on_host:
+                from hscapture.consumer.host_fp8 import HostQuantizer
+
+                quantized = HostQuantizer.available(dtype)
+            else:  # a CUDA ring's rows are quantized on its GPU
+                quantized = self.store.fp8
             if self.config.direct_io == "auto":  # O_DIRECT spares CPU time where the engine's cores are the limit
-                self.store.direct.use(isinstance(ring, HostRingReader))
-            allocate = huge_pages if isinstance(ring, HostRingReader) else ring.allocate  # pinned for a CUDA ring
+                self.store.direct.use(on_host)
+            allocate = huge_pages if on_host else ring.allocate  # pinned for a CUDA ring
             # A drop producer loses what is not taken at once: its consumer attaches with everything ready.
             ready = layout.policy == "drop"
             self.store.begin_run(layout.run_id, geometry, layout.meta, allocate, quantized, ready)
-            if isinstance(ring, CudaRingReader) and on_gpu:
-                self._quantizer = DeviceQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows)
-            elif isinstance(ring, HostRingReader) and on_host:
+            if quantized and on_host:
                 threads = self.config.quantize_threads
                 self._quantizer = HostQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows, threads)
+            elif quantized:
+                from hscapture.consumer.device_fp8 import DeviceQuantizer
+
+                self._quantizer = DeviceQuantizer(ring, tensors, layout.hidden_size, dtype, max_rows)
         self._layout = layout
         # A producer we cannot see (another pid namespace) is not watched: never end a live run.
         self._producer_pid = layout.pid if 0 < layout.pid < 2**31 and pid_alive(layout.pid) else 0
-        self._plane_row_bytes = layout.hidden_size * DTYPES[layout.dtype].itemsize
+        self._plane_row_bytes = layout.hidden_size * DTYPES[layout.dtype]
         self._row_bytes = len(layout.tensor_names) * self._plane_row_bytes
         self._last_seq = 0
         self._announced = {}
@@ -321,11 +335,7 @@ class Consumer:
         while gate is not None and not gate.exists() and not self._stopping:
             time.sleep(0.01)
         self._hello()  # confirms the layout: the producer starts announcing
-        quantizing = ""
-        if isinstance(self._quantizer, DeviceQuantizer):
-            quantizing = "; fp8 quantized on the GPU"
-        elif isinstance(self._quantizer, HostQuantizer):
-            quantizing = f"; fp8 quantized out of the ring on {self._quantizer.threads} threads"
+        quantizing = f"; {self._quantizer.doing}" if self._quantizer is not None else ""
         slots = (layout.num_slots, layout.slot_bytes)
         log.info("attached to run %s in %.1f s (%d slots of %d bytes%s)", layout.run_id, ready_s, *slots, quantizing)
 
@@ -541,7 +551,7 @@ class Consumer:
         self._settle(wait=True)
         self._pending.clear()
         self._discard = None
-        if isinstance(self._quantizer, HostQuantizer):
+        if self._quantizer is not None:
             self._quantizer.close()
         self._quantizer = None
         if self._ring is not None:
@@ -555,7 +565,7 @@ def _check_layout(layout: protocol.Layout) -> None:
         raise ProtocolError(f"Layout: unusable ring ({layout.num_slots} slots, dtype {short_repr(layout.dtype)})")
     if not layout.tensor_names or len(layout.tensor_names) != len(layout.tensor_descriptions):
         raise ProtocolError(f"Layout.tensor_names: {short_repr(layout.tensor_names)} do not match their descriptions")
-    row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype].itemsize
+    row_bytes = len(layout.tensor_names) * layout.hidden_size * DTYPES[layout.dtype]
     if layout.hidden_size <= 0 or row_bytes > layout.slot_bytes:
         raise ProtocolError(f"Layout.hidden_size: {layout.hidden_size} rows do not fit slots of {layout.slot_bytes}")
 

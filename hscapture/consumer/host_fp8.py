@@ -20,16 +20,15 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import torch
 
-from hscapture.config import usable_cores
-from hscapture.fp8 import host_kernels
+from hscapture.config import DTYPES, usable_cores
+from hscapture.fp8_kernel import host_kernels
 from hscapture.ring.host import HostRingReader
 from hscapture.store.checksum import row_crcs
 from hscapture.store.writer import Reservation, Rows
 
 #: numpy dtypes of the bits the kernels take, by captured dtype (float16 goes through a float32 scratch).
-_BITS = {torch.bfloat16: np.uint16, torch.float32: np.uint32, torch.float16: np.float16}
+_BITS = {"bfloat16": np.uint16, "float32": np.uint32, "float16": np.float16}
 
 
 def default_quantize_threads(tensors: int) -> int:
@@ -49,7 +48,7 @@ class HostQuantizer:
         ring: the opened ring.
         tensors: captured tensors per row.
         hidden: values per row of one tensor.
-        dtype: the captured dtype.
+        dtype: the captured dtype's name (a ``config.DTYPES`` key).
         max_rows: rows a slot holds at most.
         threads: threads quantizing a chunk's tensors at once (None: :func:`default_quantize_threads`;
             1: on the calling thread).
@@ -59,21 +58,23 @@ class HostQuantizer:
     """
 
     def __init__(
-        self, ring: HostRingReader, tensors: int, hidden: int, dtype: torch.dtype, max_rows: int, threads: int | None
+        self, ring: HostRingReader, tensors: int, hidden: int, dtype: str, max_rows: int, threads: int | None
     ) -> None:
         kernels = host_kernels()
         if kernels is None:
             raise RuntimeError("HostQuantizer: needs numba for the fused kernel")
         self._ring, self._tensors, self._hidden = ring, tensors, hidden
-        self._bits, self._itemsize = _BITS[dtype], dtype.itemsize
-        self._kernel = kernels[4 if dtype != torch.bfloat16 else 2]
+        self._bits, self._itemsize = _BITS[dtype], DTYPES[dtype]
+        self._kernel = kernels[4 if dtype != "bfloat16" else 2]
         #: float16 rows are widened into a float32 scratch first, at their tensor's and slot row's place.
-        self._scratch = np.empty((tensors, max_rows, hidden), dtype=np.float32) if dtype == torch.float16 else None
+        self._scratch = np.empty((tensors, max_rows, hidden), dtype=np.float32) if dtype == "float16" else None
         self.threads = default_quantize_threads(tensors) if threads is None else threads
+        #: What it does, for the consumer's attach line.
+        self.doing = f"fp8 quantized out of the ring on {self.threads} threads"
         self._pool = ThreadPoolExecutor(self.threads, "hscapture-fp8") if self.threads > 1 else None
 
     @staticmethod
-    def available(dtype: torch.dtype) -> bool:
+    def available(dtype: str) -> bool:
         """Whether chunks of ``dtype`` rows can be quantized here (numba installed, a storable dtype)."""
         return dtype in _BITS and host_kernels() is not None
 

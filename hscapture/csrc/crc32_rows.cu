@@ -7,7 +7,7 @@
 // crc32_combine does). Raw CRCs are linear, so the row's is the xor of its pieces' moved ones;
 // zlib's CRC is that xor the CRC of as many zero bytes (``zero_crc``, given by the host).
 // Compiled at run time with NVRTC (cupy.RawModule); device_fp8.py falls back to
-// hscapture.store.checksum.RowCrcs (torch kernels) where it cannot.
+// hscapture.consumer.device_fp8.RowCrcs (torch kernels) where it cannot.
 
 #define THREADS 256
 #define POLY 0xEDB88320u

@@ -37,6 +37,7 @@ from hscapture.config import (
     dtype_name,
     layer_spec,
     resolve_layers,
+    torch_dtype,
 )
 from hscapture.config import eagle3_default_layers as eagle3_default_layers  # extract and tests import it here
 from hscapture.data import Sample, check_batching, loss_mask_ranges, pad_batch, padded_length
@@ -236,7 +237,7 @@ def load_model(model_dir: Path | None, dtype: str | None, device: str) -> tuple[
         raise ValueError(f"--dtype: {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype] if dtype else "auto"}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype) if dtype else "auto"}
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
     return tokenizer, model, path
 
@@ -431,7 +432,7 @@ class HFExtraction:
         of an 8B model (270 KB a row).
         """
         hidden = self.model.config.hidden_size
-        row_bytes = len(self.capture.names) * hidden * DTYPES[self.dtype].itemsize
+        row_bytes = len(self.capture.names) * hidden * DTYPES[self.dtype]
         slot_bytes = default_slot_bytes(row_bytes, EXTRACT_SLOT_ROWS)
         return CaptureConfig(
             layers=self.layers,

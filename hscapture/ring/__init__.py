@@ -9,14 +9,16 @@ rows on the GPU before they leave it (the CUDA reader lends its memory and strea
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hscapture.errors import ProtocolError
 from hscapture.ring.base import Ring, RingReader
-from hscapture.ring.cuda import CudaRing, CudaRingReader
 from hscapture.ring.host import SHM_DIR, HostRing, HostRingReader, reclaim_host_rings
+
+if TYPE_CHECKING:
+    import torch
+
+    from hscapture.ring.cuda import CudaRing, CudaRingReader
 
 __all__ = [
     "SHM_DIR",
@@ -32,11 +34,22 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    """The CUDA ring's classes, imported on first use (with torch and cupy): a host ring's reader needs neither."""
+    if name in ("CudaRing", "CudaRingReader"):
+        from hscapture.ring import cuda
+
+        return getattr(cuda, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def create_ring(device: torch.device, num_slots: int, slot_bytes: int, name: str) -> Ring:
     """The ring for an engine on ``device``: host shared memory for CPU, CUDA IPC memory for GPU."""
     if device.type == "cpu":
         return HostRing(num_slots, slot_bytes, name)
     if device.type == "cuda":
+        from hscapture.ring.cuda import CudaRing
+
         return CudaRing(num_slots, slot_bytes, device)
     raise ValueError(f"device: {device} has no ring backend; use 'cpu' or 'cuda[:N]'")
 
@@ -47,5 +60,7 @@ def open_ring(description: dict[str, Any]) -> RingReader:
     if backend == "host":
         return HostRingReader(description)
     if backend == "cuda":
+        from hscapture.ring.cuda import CudaRingReader
+
         return CudaRingReader(description)
     raise ProtocolError(f"Layout.ring.backend: {backend!r} is not supported by this consumer")

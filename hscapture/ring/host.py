@@ -10,10 +10,12 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from hscapture.errors import ProtocolError, short_repr
 from hscapture.ownership import create_private, pid_alive, unlink_ours
@@ -52,6 +54,8 @@ class HostRing(Ring):
             self.path.unlink(missing_ok=True)
             os.close(self._fd)
             raise
+        import torch  # the engine's side: its rows are tensors
+
         self._bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def slot(self, index: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ threads and verify's threads checksum in parallel. Each row of a captured tensor
 (what a reader checks); the tensor's follows from its rows' with :func:`combine_rows`, and the
 file's from its tensors' with :func:`crc32_combine`, so no byte is checksummed twice.
 
-Rows quantized on the GPU get their CRCs there too (:class:`RowCrcs`): ``zlib.crc32`` holds the GIL
+Rows quantized on the GPU get their CRCs there too (:mod:`hscapture.consumer.device_fp8`): ``zlib.crc32`` holds the GIL
 on buffers under 5 KiB, so a 4 KiB fp8 row checksummed on a writer thread stalls the consumer's
 main thread, which is what set the pace of an fp8 store on the H200. On the host, writers take
 :func:`row_crcs` with ``compiled``: a kernel folding each row with the CPU's carry-less multiply
@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
-import torch
 
 from hscapture import jit
 
@@ -174,63 +173,6 @@ def _compile_crc(numba: Any) -> Any:
 
     rows = numba.types.Array(numba.uint8, 2, "C", readonly=True)
     return numba.njit(numba.void(rows, numba.uint32[::1]), nogil=True, boundscheck=False)(rows_crc32)
-
-
-class RowCrcs:
-    """``zlib.crc32`` of each row of ``[n, width]`` uint8 tensors, computed where the rows are (GPU or CPU).
-
-    CRC-32 is affine over GF(2): ``crc(row) = crc(zeros) ^ xor of basis[k] over the set bits k of
-    the row``, where ``basis[k] = crc(e_k) ^ crc(zeros)`` for the row ``e_k`` holding bit ``k % 8``
-    of byte ``k // 8`` alone. So the CRCs of ``n`` rows are one int8 matrix product of their bits
-    ``[n, 8 * width]`` with the basis bits ``[8 * width, 32]``, each sum taken modulo 2: exact
-    integer arithmetic, the same bits as ``zlib.crc32`` (tests compare them). The basis is built
-    with ``zlib.crc32`` once per width (~30 ms for 4,096 bytes).
-
-    Args:
-        width: bytes per row.
-        rows: the most rows checksummed at once (the scratch's size).
-        device: where the rows are.
-    """
-
-    def __init__(self, width: int, rows: int, device: torch.device) -> None:
-        self.width, self.rows = width, rows
-        zero = zlib.crc32(bytes(width))
-        row = bytearray(width)
-        basis = np.empty(8 * width, dtype=np.uint32)
-        for byte in range(width):
-            for bit in range(8):
-                row[byte] = 1 << bit
-                basis[8 * byte + bit] = zlib.crc32(row) ^ zero
-            row[byte] = 0
-        # cuBLAS's int8 product wants more than 16 rows, a multiple of 8, and a long enough inner
-        # dimension: the scratch has rows to spare, and zero bytes before each row (which leave a
-        # CRC from zero at zero), to a multiple of 16 bytes.
-        self._padded = max(24, -(-rows // 8) * 8)
-        self._lead = -width % 16
-        bits = (basis[:, None] >> np.arange(32, dtype=np.uint32)) & 1
-        bits = np.concatenate([np.zeros((8 * self._lead, 32), dtype=bits.dtype), bits])
-        self._basis = torch.from_numpy(bits.astype(np.int8)).to(device)
-        self._bits = torch.zeros(self._padded, self._lead + width, 8, dtype=torch.uint8, device=device)
-        self._shifts = torch.arange(8, dtype=torch.uint8, device=device)
-        weights = np.left_shift(np.uint32(1), np.arange(32, dtype=np.uint32)).view(np.int32)
-        self._weights = torch.from_numpy(weights.astype(np.int32)).to(device)
-        self._zero = int(np.uint32(zero).view(np.int32))
-
-    def __call__(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the CRC-32 of each row of ``rows`` (``[n, width]`` uint8, ``n <= self.rows``) into ``out``
-        (``[n]`` int32: the uint32's bits). Only kernels on the current stream, no host read."""
-        n = rows.shape[0]
-        if rows.dtype != torch.uint8 or rows.shape[1:] != (self.width,) or n > self.rows:
-            shape = f"rows {tuple(rows.shape)} {rows.dtype}"
-            raise ValueError(f"RowCrcs: {shape}; want [<= {self.rows}, {self.width}] uint8")
-        bits = self._bits[:n, self._lead :]
-        torch.bitwise_right_shift(rows.unsqueeze(-1), self._shifts, out=bits)
-        bits.bitwise_and_(1)
-        flat = self._bits.view(torch.int8).view(self._padded, 8 * (self._lead + self.width))
-        counts = torch._int_mm(flat, self._basis)
-        counts = counts[:n].bitwise_and_(1).mul_(self._weights)
-        torch.sum(counts, dim=1, dtype=torch.int32, out=out)
-        out.bitwise_xor_(self._zero)
 
 
 def combine_rows(crcs: np.ndarray, row_bytes: int) -> int:

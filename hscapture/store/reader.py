@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hscapture.config import DTYPES
+from hscapture.config import torch_dtype
 from hscapture.errors import StoreError
-from hscapture.fp8 import FP8, FP8_NAME, dequantize_rows, scale_name
+from hscapture.fp8 import FP8, dequantize_rows
+from hscapture.fp8_kernel import FP8_NAME, scale_name
 from hscapture.store.checksum import row_crcs
 from hscapture.store.format import (
     INDEX_FILE,
@@ -95,7 +96,7 @@ class Store:
             )  # fmt: skip
         self.tensor_names: list[str] = [t["name"] for t in self._meta["tensors"]]
         #: The captured dtype: what ``get`` returns.
-        self.dtype: torch.dtype = DTYPES[self._meta["dtype"]]
+        self.dtype: torch.dtype = torch_dtype(self._meta["dtype"])
         #: How rows are stored: the captured dtype's name or ``float8_e4m3fn`` (fp8 with per-row scales).
         self.store_dtype: str = self._meta.get("store_dtype", self._meta["dtype"])
         self.verify = verify

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from hscapture.errors import StoreError
-from hscapture.fp8 import FP8_NAME, scale_name
+from hscapture.fp8_kernel import FP8_NAME, scale_name
 from hscapture.ownership import in_dir
 from hscapture.store.format import ITEM_BYTES, ROW_CRC, ROW_FIELDS, SHARD_FORMAT, ShardHeader, parse_shard_header
 

@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from hscapture.fp8 import FP8, Quantizer, scale_name
+from hscapture.config import torch_dtype
+from hscapture.fp8_kernel import FP8_NAME, scale_name
 from hscapture.ownership import create_private, temp_sibling
 from hscapture.store.checksum import combine, combine_rows, row_crcs
 from hscapture.store.directory import PRIVATE_FILE_MODE, StoreDir
@@ -76,13 +76,8 @@ DIRECT_ALIGN = 4096
 DIRECT_BLOCK_BYTES = 8 << 20
 #: Shards whose captured planes hold fewer bytes are written through the page cache, header unpadded.
 DIRECT_MIN_BYTES = 1 << 20
-#: safetensors dtype codes of what shards hold.
-DTYPE_CODES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    FP8: "F8_E4M3",
-}
+#: safetensors dtype codes of what shards hold, by dtype name.
+DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", FP8_NAME: "F8_E4M3"}
 
 
 @dataclass
@@ -201,13 +196,13 @@ class DirectIO:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """What one shard file holds: its first ``rows`` buffer rows of tensors ``names`` in ``dtype``."""
+    """What one shard file holds: its first ``rows`` buffer rows of tensors ``names`` in ``dtype`` (its name)."""
 
     shard_id: int
     run_id: str
     rows: int
     names: tuple[str, ...]
-    dtype: torch.dtype
+    dtype: str
     hidden_size: int
     #: Store the rows as fp8 codes with one float32 scale per row.
     fp8: bool
@@ -237,7 +232,7 @@ def write_shard(
         "token_ids": buffer.token_ids[:n],
         "request_index": buffer.request_index[:n],
     }
-    stored = DTYPE_CODES[FP8 if spec.fp8 else spec.dtype]
+    stored = DTYPE_CODES[FP8_NAME if spec.fp8 else spec.dtype]
     tensors = [(name, code, (n,)) for name, code in ROW_FIELDS.items()]
     tensors += [(name, stored, (n, spec.hidden_size)) for name in spec.names]
     tensors += [(scale_name(name), "F32", (n,)) for name in spec.names] if spec.fp8 else []
@@ -279,8 +274,8 @@ def write_shard(
                 elif not spec.fp8:
                     table[:, column] = out.write_rows(offsets[name], planes[name][:n])
                 else:
-                    rows = torch.from_numpy(planes[name][:n]).view(spec.dtype)
-                    table[:, column], scales, counts[name] = _write_fp8(out, offsets[name], rows)
+                    plane = planes[name][:n]
+                    table[:, column], scales, counts[name] = _write_fp8(out, offsets[name], plane, spec.dtype)
                     crcs[scale_name(name)] = out.write(offsets[scale_name(name)], _bytes(scales))
                 crcs[name] = combine_rows(table[:, column], sizes[name] // max(n, 1))
             elif name in fields:
@@ -428,12 +423,17 @@ class _Output:
             self._unflushed = 0
 
 
-def _write_fp8(out: _Output, offset: int, rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int]:
+def _write_fp8(out: _Output, offset: int, plane: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, int]:
     """Quantize ``[n, hidden]`` rows block by block, writing the codes at ``offset``.
 
     Returns the ``[n]`` CRC-32 of each row of codes, the ``[n]`` float32 scales, and the count of
     non-finite values.
     """
+    import torch  # only where rows are quantized here: a bf16 store's writer never imports it
+
+    from hscapture.fp8 import Quantizer
+
+    rows = torch.from_numpy(plane).view(torch_dtype(dtype))
     n, hidden = rows.shape
     step = max(1, BLOCK_BYTES // (hidden * 4))  # rows per block, by the size of the float32 scratch
     quantize = Quantizer(hidden, min(step, max(n, 1)))

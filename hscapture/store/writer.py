@@ -29,7 +29,7 @@ import numpy as np
 
 from hscapture.config import DTYPES, default_writer_threads, store_dtype_name
 from hscapture.errors import StoreError
-from hscapture.fp8 import FP8_NAME, host_kernels
+from hscapture.fp8_kernel import FP8_NAME, host_kernels
 from hscapture.ownership import open_own
 from hscapture.store.checksum import crc_kernel
 from hscapture.store.directory import StoreDir
@@ -79,7 +79,7 @@ class RowGeometry:
     @property
     def plane_row_bytes(self) -> int:
         """Bytes of one row of one tensor."""
-        return self.hidden_size * DTYPES[self.dtype].itemsize
+        return self.hidden_size * DTYPES[self.dtype]
 
     @property
     def row_bytes(self) -> int:
@@ -112,7 +112,7 @@ class Rows:
     In a run whose rows arrive quantized (``begin_run(..., quantized=True)``), copy each tensor's
     fp8 codes into ``planes[t]``, each row's scale into ``scales[t]``, its count of non-finite
     values into ``nonfinite[t]`` and the CRC-32 of its codes into ``crcs[t]`` (what
-    :class:`~hscapture.store.checksum.RowCrcs` computes where the codes are).
+    :class:`~hscapture.consumer.device_fp8.RowCrcs` computes where the codes are).
     """
 
     #: One ``[rows, hidden * itemsize]`` uint8 view per tensor, in geometry order (``[rows, hidden]``
@@ -673,7 +673,7 @@ class StoreWriter:
             run_id=shard.run_id,
             rows=shard.committed,
             names=geometry.tensor_names,
-            dtype=DTYPES[geometry.dtype],
+            dtype=geometry.dtype,
             hidden_size=geometry.hidden_size,
             fp8=run.fp8,
             request_ids=tuple(shard.request_lookup),
