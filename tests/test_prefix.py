@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,17 @@ from hscapture.store.records import Finish
 from hscapture.store.repair import repair_store
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
-from tests.storefeed import Feed, Request, capture, make_layout, make_request, send, shard_bytes, sharing
+from tests.storefeed import (
+    Feed,
+    Request,
+    capture,
+    finish_hit,
+    make_layout,
+    make_request,
+    send,
+    shard_bytes,
+    sharing,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,6 +176,44 @@ def test_a_donor_still_being_captured_is_recorded_first(tmp_path: Path, rng: np.
     assert order == ["long", "short"]  # the donor's line first: a line never names a key not yet listed
     assert open_store(tmp_path).record("short")["shared"][0]["id"] == "long"
     _check_rows(tmp_path, {"long": long, "short": short})
+
+
+@pytest.mark.parametrize("donor_finishes", [True, False], ids=["donor-finishes", "run-ends-first"])
+def test_a_donor_whose_own_first_positions_were_a_cache_hit_is_waited_for(
+    tmp_path: Path, rng: np.random.Generator, donor_finishes: bool
+) -> None:
+    """Parallel samples of one prompt under a cached system prompt: ``first`` computes the prompt past the system
+    prompt (its own first 40 positions a hit, their tokens known only at its finish), ``second`` hits the cache for
+    73 positions and finishes first. Its line waits for ``first``'s and takes its rows (and, through them, the
+    system prompt's donor's); when the run ends before ``first`` finishes, ``second`` is written all the same."""
+    system = make_request(40, "float32", rng)
+    first = sharing(system, make_request(80, "float32", rng), 40)
+    second = sharing(first, make_request(83, "float32", rng), 73)
+    writer = StoreWriter(tmp_path, shard_bytes("float32"), writer_threads=1, flush_s=0)  # each tick seals a shard
+    writer.begin_run(*make_layout("run-a"))
+    feed = Feed(writer, {"system": system, "first": first, "second": second})
+    capture(feed, "system")
+    feed.chunk([("first", range(40, 75))])  # its prompt past the cached system prompt
+    capture(feed, "second", 73)  # finishes while first decodes
+    deadline = time.monotonic() + 60
+    while writer.rows_durable < 40 + 35 + 10 and time.monotonic() < deadline:  # every row sent so far is listed
+        writer.tick()
+        time.sleep(0.01)
+    assert [r["id"] for r in read_index(tmp_path) if r["type"] == "request"] == ["system"]  # second waits
+    for at in range(75, 80):
+        feed.chunk([("first", [at])])
+    if donor_finishes:
+        finish_hit(feed, "first", 40)
+    writer.close()
+    store = open_store(tmp_path)
+    if donor_finishes:
+        assert store.record("first")["shared"][0]["id"] == "system"
+        assert [(e["id"], e["start"], e["end"]) for e in store.record("second")["shared"]] == [("first", 0, 73)]
+        _check_rows(tmp_path, {"system": system, "first": first, "second": second})
+    else:  # first's first 40 tokens were never given: it holds nothing from 0, so it lends nothing
+        assert store.record("first")["status"] == store.record("second")["status"] == "incomplete"
+        assert store.record("second")["missing"] == [[0, 73]]
+    assert verify_store(tmp_path).ok
 
 
 def test_later_runs_find_donors_of_earlier_ones(tmp_path: Path, rng: np.random.Generator) -> None:

@@ -15,9 +15,10 @@ next blocks starting with that last block's tokens by bisection, and compares th
 donors with the asked ones exactly, so a hash collision can never attach another's rows, and a donor
 is found however many others share its blocks.
 Requests still being captured are donors too (for the positions they hold from 0 so far); the
-writer records a request's line only after its donors' lines. The index is rebuilt from the
-store's index lines and the shards' token ids the first time a lookup needs it, so later runs and
-resumed extractions find donors from earlier ones.
+writer records a request's line only after its donors' lines, and a line whose donor may be a request
+still being captured whose own first positions were a cache hit (known at its finish) waits for it.
+The index is rebuilt from the store's index lines and the shards' token ids the first time a lookup
+needs it, so later runs and resumed extractions find donors from earlier ones.
 """
 
 from __future__ import annotations
@@ -149,6 +150,23 @@ class PrefixIndex:
         if donor is None:
             return []
         return [{"id": donor, "start": 0, "end": end, "tokens_crc32": tokens_crc32(wanted)}]
+
+    def donor_in_flight(self, line: dict[str, Any], prefix_token_ids: np.ndarray | None) -> bool:
+        """Whether a request still being captured may yet hold ``line``'s missing ``[0, p)``: one whose own rows
+        start inside it, after 0, with the same tokens there. Its first positions were a prefix-cache hit too, known
+        only at its finish (``prefix_token_ids``); the engine's hit on ``[0, p)`` for ``line`` may have been its rows
+        (parallel samples of one prompt under a cached system prompt). Until it finishes, ``line`` may wait."""
+        missing = line["missing"]
+        if prefix_token_ids is None or not len(prefix_token_ids) or not missing or missing[0][0] != 0:
+            return False
+        end = min(missing[0][1], len(prefix_token_ids))
+        wanted = np.asarray(prefix_token_ids[:end], dtype=np.int64)
+        for key, flight in self._flight.items():
+            if key == line["id"] or key in self._complete or flight.broken or not 0 < flight.start < end:
+                continue
+            if flight.end >= end and np.array_equal(flight.tokens()[: end - flight.start], wanted[flight.start :]):
+                return True
+        return False
 
     def waiting(self, line: dict[str, Any]) -> bool:
         """Whether a line names a donor whose own line is not recorded yet."""

@@ -447,6 +447,8 @@ class StoreWriter:
                 request.end_reason = f"{reason} before the request finished"
                 self._ended(request_id, request)
         self._commit_ready()
+        if self._held:  # waiting for requests whose rows were never listed (a failed write): not any longer
+            self._commit_ready(settle=True)
         self._index.append([{"type": "run_end", "run_id": run.run_id, "reason": reason, "counters": counters}])
         self._run = None
 
@@ -684,8 +686,11 @@ class StoreWriter:
         )
         self._commit_ready()
 
-    def _commit_ready(self) -> None:
-        """List every shard whose write finished, then every request whose shards all are listed."""
+    def _commit_ready(self, settle: bool = False) -> None:
+        """List every shard whose write finished, then every request whose shards all are listed.
+
+        ``settle``: a line whose donor may be a request still in flight is written without waiting for it (the run
+        ended, and that request's rows were never listed)."""
         self._index.check()
         lines = []
         failed: tuple[int, BaseException] | None = None
@@ -719,7 +724,12 @@ class StoreWriter:
             for request_id in candidates:
                 request = self._requests[request_id]
                 if request.line is None:
-                    request.line = self._shared_line(request_id, request)
+                    line = self._shared_line(request_id, request)
+                    prefix = request.finished.prefix_token_ids if request.finished is not None else None
+                    if "shared" not in line and not settle and self._prefixes.donor_in_flight(line, prefix):
+                        held.append(request_id)
+                        continue
+                    request.line = line
                 if self._prefixes.waiting(request.line):
                     held.append(request_id)
                     continue
