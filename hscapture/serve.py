@@ -67,6 +67,9 @@ class ServeOptions:
     keys: Path | None = None
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
+    #: Seconds between the consumer's flushes to disk (default: the consumer's): a consumer killed loses at most
+    #: this much of what it copied out.
+    flush_s: float | None = None
     #: Bytes of one ring slot (default: room for 512 rows, a decode run of 8 steps at batch 64; at least 4 MiB).
     slot_bytes: int | None = None
     #: On a GPU, copy decode rows from inside SGLang's decode CUDA graphs, planned by the forward hook (no
@@ -120,6 +123,7 @@ def serve(options: ServeOptions, engine_args: list[str]) -> int:
                 "--exit-on-eos",
                 "--shard-bytes",
                 str(options.shard_bytes),
+                *(("--flush-s", str(options.flush_s)) if options.flush_s is not None else ()),
                 *keys_args,
                 *(("--share-group", options.share_group) if options.share_group is not None else ()),
                 *options.consumer_args,
