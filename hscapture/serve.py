@@ -6,9 +6,9 @@ default: serving never waits). What is engine-specific (the command, its flags, 
 refused) is each integration's ``server_launch``; the rest is here. One consumer per stream writes the store: one
 stream, or one per SGLang attention-DP group (``DIR/dp<rank>``).
 
-Ctrl-C (or SIGTERM, SIGHUP) stops the server the graceful way each engine has: SIGTERM to it; it ends the requests
-it serves (SGLang finishes them, vLLM aborts them or drains them for its ``--shutdown-timeout``), then the plugin
-ends its stream (end of stream, a clean end in the store) as the engine shuts down; each consumer then finishes the
+Ctrl-C (or SIGTERM, SIGHUP) stops the server the graceful way each engine has: SIGTERM to it; it finishes the
+requests it serves (vLLM for its ``--shutdown-timeout`` at most, which the launch sets), then the plugin ends its
+stream (end of stream, a clean end in the store) as the engine shuts down; each consumer then finishes the
 store and exits. The server runs in its own session, so a terminal's Ctrl-C reaches ``serve`` alone, not the
 engine's processes midway; it gets SIGTERM too when ``serve`` dies. A second Ctrl-C kills the server; the consumers
 then record that their producer died. A consumer killed by a signal while the server serves is replaced: the new one
@@ -179,8 +179,8 @@ class _Consumer:
 
 
 def _stop_with_parent() -> None:
-    """In the server's process before SGLang starts: SIGTERM (SGLang's graceful stop) when ``serve`` dies, even
-    by SIGKILL, as SGLang's own processes follow theirs (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    """In the server's process before the engine starts: SIGTERM (its graceful stop) when ``serve`` dies, even by
+    SIGKILL, as the engine's own processes follow theirs (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
