@@ -192,6 +192,7 @@ class Asking:
     def join(self) -> None:
         for thread in self.threads:
             thread.join(300)
+            assert not thread.is_alive(), "a request got no answer in 300 s"
         assert not self.errors, self.errors
 
 
@@ -201,15 +202,15 @@ def _tokens(reply: dict[str, Any]) -> list[int]:
 
 
 def _check_rows(store: Store, key: str, tokens: list[int]) -> dict[str, Any]:
-    """A stored request's rows are ``tokens`` at their positions (all of them when it is complete); returns its
-    index line."""
-    record = store.record(key)
-    if record["status"] != "complete":
+    """A stored request's rows are ``tokens`` at their positions: all of them when it is complete, else those it
+    holds, and it says why the others are missing. Returns its index line."""
+    record, rows = store.record(key), store.get(key)
+    positions = rows["positions"].tolist()
+    assert rows["input_ids"].tolist() == [tokens[p] for p in positions], key
+    if record["status"] == "complete":
+        assert positions == list(range(len(tokens))), key
+    else:
         assert record["reason"], f"{key} is incomplete without a reason: {record}"
-        return record
-    rows = store.get(key)
-    assert rows["input_ids"].tolist() == tokens, key
-    assert rows["positions"].tolist() == list(range(len(tokens))), key
     return record
 
 
@@ -280,6 +281,7 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
     assert any(store.record(k).get("shared") for k in complete), "no prefix-cache hit reached the store"
     summary = store.summary()
     print("served store:", {k: summary[k] for k in ("complete", "incomplete", "rows", "rows_dropped", "rows_shared")})
+    assert summary["rows_dropped"] > 0, "the rows of the b requests stepped while no consumer was attached"
 
     # 4. The offline path over the same tokens: the rows of every complete request agree.
     from hscapture.data import Sample
