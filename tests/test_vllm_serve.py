@@ -196,6 +196,15 @@ class Asking:
         assert not self.errors, self.errors
 
 
+#: Requests that name their store key themselves (``vllm_xargs``: vLLM's way to a request's ``extra_args``).
+OWN_KEYS = {"a-7": "xargs-key-a-7"}
+
+
+def _key(rid: str) -> str:
+    """The store key of the chat sent with ``request_id`` ``rid``: vLLM's id for it, unless it named its own."""
+    return OWN_KEYS.get(rid, f"chatcmpl-{rid}")
+
+
 def _tokens(reply: dict[str, Any]) -> list[int]:
     """What a finished request forwarded: its prompt and output but the last token (never forwarded)."""
     return [*reply["prompt_token_ids"], *reply["choices"][0]["token_ids"]][:-1]
@@ -222,12 +231,13 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
     assert len(first) == 1, first
     # 1. Concurrent chats under one long system prompt (prefill in chunks of 64), and a stream hung up on.
     bodies = [_chat(server, f"a-{i}", (WORDS * (1 + i % 3))[: 30 + 20 * i], max_tokens=4 + i % 5) for i in range(8)]
+    bodies[7]["vllm_xargs"] = {"hscapture_id": OWN_KEYS["a-7"]}
     asking = Asking(server, bodies, results)
     hang = _chat(server, "hang-0", "tell a long story", max_tokens=1000, ignore_eos=True, stream=True)
     _hang_up(f"{server.base}/v1/chat/completions", hang)
     asking.join()
     _wait(lambda: _gauge(server.base, "vllm:num_requests_running") == 0, 120, "vLLM ending the hung-up request")
-    durable = {f"chatcmpl-{rid}" for rid in [*results, "hang-0"]}
+    durable = {_key(rid) for rid in [*results, "hang-0"]}
     _wait(lambda: durable <= server.stored(), 60, "the requests so far on disk")
 
     # 2. The consumer killed while requests run; vLLM serves them to the end, and serve starts another consumer.
@@ -255,6 +265,7 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
     assert server.process.wait(180) == 0
     server.reader.join(30)
     assert server.said("was killed (SIGKILL); starting another") == 1
+    assert server.said(f"read it with hscapture.open_store('{server.out}')") == 1  # the consumer alive at the end
 
     assert verify_store(server.out).ok
     store = open_store(server.out)
@@ -263,20 +274,20 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
     run = store.metadata()["runs"][-1]["meta"]
     assert run["engine"] == "vllm" and run["launcher"] == "hscapture serve", run
     # Only what was sent: vLLM makes no request of its own (no warm-up, /health asks the engine nothing).
-    keys = {f"chatcmpl-{rid}" for rid in [*results, "hang-0"]}
+    keys = {_key(rid) for rid in [*results, "hang-0"]}
     assert set(store.keys()) <= keys, set(store.keys()) - keys
-    must = {f"chatcmpl-{rid}" for rid in results if rid[0] in "ac"} | {"chatcmpl-hang-0"}
+    must = {_key(rid) for rid in results if rid[0] in "ac"} | {_key("hang-0")}
     assert must <= set(store.keys()), must - set(store.keys())
     complete = {}
     for rid, reply in results.items():
-        key = f"chatcmpl-{rid}"
+        key = _key(rid)
         if key in set(store.keys()):
             record = _check_rows(store, key, _tokens(reply))
             if record["status"] == "complete":
                 complete[key] = _tokens(reply)
         if rid[0] in "ac":  # sent while a consumer was attached: nothing of it was lost
             assert store.record(key)["status"] == "complete", store.record(key)
-    hung = store.record("chatcmpl-hang-0")
+    hung = store.record(_key("hang-0"))
     assert (hung["status"], hung["reason"]) == ("incomplete", "aborted"), hung
     assert any(store.record(k).get("shared") for k in complete), "no prefix-cache hit reached the store"
     summary = store.summary()
