@@ -1,5 +1,6 @@
-"""``hscapture`` command line: ``extract``, ``serve`` (SGLang with capture), ``consume``, ``verify``, ``export``,
-``inspect``, ``keys`` (CURVE keys for tcp:// endpoints), ``bench`` (the benchmark suites of a source checkout)."""
+"""``hscapture`` command line: ``extract``, ``serve`` (SGLang or vLLM with capture), ``consume``, ``verify``,
+``export``, ``inspect``, ``keys`` (CURVE keys for tcp:// endpoints), ``bench`` (the benchmark suites of a source
+checkout)."""
 
 from __future__ import annotations
 
@@ -266,14 +267,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     srv = commands.add_parser(
         "serve",
-        help="run an SGLang server with capture on, and a consumer writing the store",
-        description="Starts `python -m sglang.launch_server ARGS` with the hscapture plugin capturing the EAGLE-3 "
-        "states of every request, and a consumer writing them to --out. Ctrl-C stops both; the store is finished "
-        "and requests still in flight are marked incomplete.",
-        usage="hscapture serve --out DIR [options] -- --model-path MODEL [sglang server args]",
+        help="run an SGLang or vLLM server with capture on, and a consumer writing the store",
+        description="Starts the engine's OpenAI-compatible server (`python -m sglang.launch_server ARGS`, or with "
+        "--engine vllm `vllm serve ARGS`) with the hscapture plugin capturing the EAGLE-3 states of every request, "
+        "and a consumer writing them to --out. Ctrl-C stops both; the store is finished and requests still in "
+        "flight are marked incomplete.",
+        usage="hscapture serve --out DIR [options] -- --model-path MODEL [sglang server args]\n"
+        "       hscapture serve --engine vllm --out DIR [options] -- MODEL [vllm serve args]",
     )
     flags(srv, "serve")
-    srv.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then SGLang server arguments")
+    srv.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then the engine's server arguments")
 
     ver = commands.add_parser(
         "verify",
@@ -488,8 +491,7 @@ def _before(summary: ExtractSummary) -> str:
 def _serve(args: argparse.Namespace) -> int:
     from hscapture.serve import serve
 
-    sglang_args = _after_dashes(args.sglang_args)
-    return serve(options_from(options_class("serve"), args), sglang_args)
+    return serve(options_from(options_class("serve"), args), _after_dashes(args.engine_args))
 
 
 def _keys(args: argparse.Namespace) -> int:

@@ -1,16 +1,19 @@
-"""``hscapture serve``: an SGLang HTTP server with capture on, plus the consumer(s) writing the store.
+"""``hscapture serve``: an engine's HTTP server with capture on, plus the consumer(s) writing the store.
 
-The server runs unchanged (``python -m sglang.launch_server`` with the user's arguments) plus
-the flags that make it keep the EAGLE-3 states; the hscapture plugin in its scheduler process
-publishes them (``drop`` policy by default: serving never waits). One consumer per stream
-writes the store: one stream, or one per attention-DP group (``DIR/dp<rank>``).
+The server runs unchanged (SGLang's ``python -m sglang.launch_server``, or ``vllm serve``, with the user's arguments)
+plus what makes it keep the EAGLE-3 states; the hscapture plugin in its processes publishes them (``drop`` policy by
+default: serving never waits). What is engine-specific (the command, its flags, the plugin's settings, what is
+refused) is each integration's ``server_launch``; the rest is here. One consumer per stream writes the store: one
+stream, or one per SGLang attention-DP group (``DIR/dp<rank>``).
 
-Ctrl-C (or SIGTERM, SIGHUP) stops the server the graceful way SGLang has: SIGTERM to it, it
-finishes the requests it serves, then each scheduler's hscapture plugin ends its stream (end of
-stream, a clean end in the store) before the scheduler exits; each consumer then finishes the
-store and exits. The server runs in its own session, so a terminal's Ctrl-C reaches ``serve``
-alone, not SGLang's processes midway; it gets SIGTERM too when ``serve`` dies. A second Ctrl-C
-kills the server; the consumers then record that their producer died.
+Ctrl-C (or SIGTERM, SIGHUP) stops the server the graceful way each engine has: SIGTERM to it; it finishes the
+requests it serves (vLLM for its ``--shutdown-timeout`` at most, which the launch sets), then the plugin ends its
+stream (end of stream, a clean end in the store) as the engine shuts down; each consumer then finishes the
+store and exits. The server runs in its own session, so a terminal's Ctrl-C reaches ``serve`` alone, not the
+engine's processes midway; it gets SIGTERM too when ``serve`` dies. A second Ctrl-C kills the server; the consumers
+then record that their producer died. A consumer killed by a signal while the server serves is replaced: the new one
+attaches to the same stream, records the killed one's run as ended by its death, and the rows lost meanwhile are
+counted as dropped (under ``drop``; ``block`` waits for it).
 """
 
 from __future__ import annotations
@@ -28,19 +31,14 @@ from typing import Any
 from hscapture.config import POLICIES, MiB, ensure_writable_dir, flag, layer_spec
 from hscapture.consumer import consume_command
 from hscapture.inspection import capture_failure
-from hscapture.integrations.sglang import (
-    CPU_SERVER_ARGS,
-    ENV,
-    PluginSettings,
-    cpu_host_env,
-    endpoint_for,
-    server_args,
-)
-from hscapture.integrations.sglang_models import launch_plan
+from hscapture.integrations.engines import ServeCapture, ServerLaunch, endpoint_for
 from hscapture.keys import KEYS_ENV, ensure_keys
 from hscapture.selection import check_rate
 from hscapture.store.collection import open_store
 from hscapture.store.files import prepare_store_dir
+
+#: The engines whose servers ``serve`` runs.
+ENGINES = ("sglang", "vllm")
 
 
 @dataclass
@@ -49,11 +47,14 @@ class ServeOptions:
 
     #: Store directory (appended to if it exists; one per attention-DP group below it with DP).
     out: Path
+    #: The engine whose OpenAI-compatible server runs: ``sglang`` (``python -m sglang.launch_server ARGS``) or
+    #: ``vllm`` (``vllm serve ARGS``).
+    engine: str = field(default="sglang", metadata=flag(choices=ENGINES))
     #: Layer ids and ranges, k = the residual stream entering decoder layer k: 2,16,29 or 1-31:2, or all (every
-    #: layer this architecture's capture reaches, from 1); default SGLang's EAGLE-3 layers.
+    #: layer this architecture's capture reaches, from 1); default the engine's EAGLE-3 layers.
     layers: str | tuple[int, ...] | None = field(default=None, metadata=flag(parse=layer_spec))
     #: Capture this share of the requests (0 < rate <= 1), chosen by a hash of the request id, so a rerun with the
-    #: same ids picks the same ones; the others cost the engine only the check (default: every request).
+    #: same ids picks the same ones; the others cost the engine only the check (default: every request). SGLang only.
     sample_rate: float | None = None
     #: Also capture the post-norm final hidden state (what the LM head reads).
     capture_last: bool = field(default=True, metadata=flag(name="--last"))
@@ -66,6 +67,9 @@ class ServeOptions:
     keys: Path | None = None
     #: Target bytes per shard.
     shard_bytes: int = 256 * MiB
+    #: Seconds between the consumer's flushes to disk (default: the consumer's): a consumer killed loses at most
+    #: this much of what it copied out.
+    flush_s: float | None = None
     #: Bytes of one ring slot (default: room for 512 rows, a decode run of 8 steps at batch 64; at least 4 MiB).
     slot_bytes: int | None = None
     #: On a GPU, copy decode rows from inside SGLang's decode CUDA graphs, planned by the forward hook (no
@@ -80,111 +84,103 @@ class ServeOptions:
     share_group: str | None = None
 
 
-def option_value(args: list[str], *names: str) -> str | None:
-    """The value of an ``--name value`` or ``--name=value`` option in a command line."""
-    for i, arg in enumerate(args):
-        for name in names:
-            if arg == name and i + 1 < len(args):
-                return args[i + 1]
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return None
-
-
-def capture_streams(args: list[str]) -> int:
-    """How many capture streams the server will publish; refuses what cannot be captured."""
-    pp = int(option_value(args, "--pp-size", "--pipeline-parallel-size") or 1)
-    if pp > 1:
-        raise ValueError("hscapture cannot capture with pipeline parallelism (--pp-size > 1); use TP or DP")
-    dp = int(option_value(args, "--dp-size", "--data-parallel-size") or 1)
-    return dp
-
-
-def serve(options: ServeOptions, sglang_args: list[str]) -> int:
+def serve(options: ServeOptions, engine_args: list[str]) -> int:
     """Run server and consumers until the server exits or we are told to stop; the server's status."""
-    model = option_value(sglang_args, "--model-path", "--model")
-    if model is None:
-        raise ValueError("give SGLang's --model-path after --, e.g. hscapture serve --out DIR -- --model-path M")
-    streams = capture_streams(sglang_args)
+    if options.engine not in ENGINES:
+        raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
     check_rate(options.sample_rate)
-    prepare_store_dir(ensure_writable_dir(Path(options.out), "--out"), options.share_group)
     base = options.endpoint or f"ipc:///tmp/hscapture-{os.getuid()}/serve-{os.getpid()}"
-    plan = launch_plan(model, options.layers)  # refuses what SGLang's capture cannot give, before it starts
-    settings = PluginSettings(
+    capture = ServeCapture(
         endpoint=base,
+        layers=options.layers,
         capture_last=options.capture_last,
         policy=options.policy,
         slot_bytes=options.slot_bytes,
         meta={
             "launcher": "hscapture serve",
-            "server_args": sglang_args,
+            "server_args": engine_args,
             **({"sample_rate": options.sample_rate} if options.sample_rate is not None else {}),
         },
         graph_copy=options.graph_copy,
-        layers=list(plan.layers),
-        http_server=True,
         sample_rate=options.sample_rate,
     )
-    env = {**os.environ, ENV: settings.to_env()}
+    launch = _server_launch(options.engine, engine_args, capture)  # refuses what cannot be captured, before it starts
+    prepare_store_dir(ensure_writable_dir(Path(options.out), "--out"), options.share_group)
+    env = {**os.environ, **launch.env}
     keys_args: list[str] = []
     if base.startswith("tcp://"):  # both sides are ours: make the key pair before the consumers look for it
         ensure_keys(options.keys)
         if options.keys is not None:
             env[KEYS_ENV] = str(options.keys)
             keys_args = ["--keys", str(options.keys)]
-    extra = server_args(plan.sglang_ids)
-    cpu_env = cpu_host_env()
-    if cpu_env:  # no NVIDIA driver here: SGLang's CPU path
-        env.update(cpu_env)
-        if option_value(sglang_args, "--device") is None:
-            extra += CPU_SERVER_ARGS
-    folders = _store_folders(Path(options.out), streams)
+    folders = _store_folders(Path(options.out), launch.streams)
     consumers = [
-        subprocess.Popen(
+        _Consumer(
+            folder,
             consume_command(
-                endpoint_for(base, rank, streams),
+                endpoint_for(base, rank, launch.streams),
                 folder,
                 "--exit-on-eos",
                 "--shard-bytes",
                 str(options.shard_bytes),
+                *(("--flush-s", str(options.flush_s)) if options.flush_s is not None else ()),
                 *keys_args,
                 *(("--share-group", options.share_group) if options.share_group is not None else ()),
                 *options.consumer_args,
             ),
-            start_new_session=True,  # a terminal's Ctrl-C reaches us; we stop the consumers in order
         )
         for rank, folder in enumerate(folders)
     ]
-    command = [sys.executable, "-m", "sglang.launch_server", *sglang_args, *extra]
-    print(f"hscapture serve: {' '.join(command)}", file=sys.stderr, flush=True)
-    server = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_stop_with_parent)
+    print(f"hscapture serve: {' '.join(launch.command)}", file=sys.stderr, flush=True)
+    server = subprocess.Popen(launch.command, env=env, start_new_session=True, preexec_fn=_stop_with_parent)
     stopping: list[int] = []
 
     def stop(signum: int, _frame: Any) -> None:
         stopping.append(signum)
         if server.poll() is None and len(stopping) == 1:
-            print(
-                "hscapture serve: stopping: SGLang finishes the requests it serves, then capture ends; "
-                "Ctrl-C again to kill it",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"hscapture serve: stopping: {launch.on_stop}; Ctrl-C again to kill it", file=sys.stderr, flush=True)
             server.send_signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        code = _wait_server(server, stopping, list(zip(folders, consumers)))
+        code = _wait_server(server, stopping, consumers, launch.name)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        _stop_consumers(consumers, options.grace_s)
+        _stop_consumers([c.process for c in consumers], options.grace_s)
     _summary(folders)
     return 0 if stopping else code
 
 
+def _server_launch(engine: str, engine_args: list[str], capture: ServeCapture) -> ServerLaunch:
+    """The engine's server launch (its integration's ``server_launch``), imported for the engine asked for only."""
+    if engine == "vllm":
+        from hscapture.integrations.vllm import server_launch
+    else:
+        from hscapture.integrations.sglang import server_launch
+    return server_launch(engine_args, capture)
+
+
+class _Consumer:
+    """One stream's consumer process, started again by :meth:`restart` (same command, same store)."""
+
+    def __init__(self, folder: Path, command: list[str]) -> None:
+        self.folder, self.command = folder, command
+        #: Told the user that capture into :attr:`folder` stopped for good.
+        self.told = False
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        # its own session: a terminal's Ctrl-C reaches us; we stop the consumers in order
+        return subprocess.Popen(self.command, start_new_session=True)
+
+    def restart(self) -> None:
+        self.process = self._start()
+
+
 def _stop_with_parent() -> None:
-    """In the server's process before SGLang starts: SIGTERM (SGLang's graceful stop) when ``serve`` dies, even
-    by SIGKILL, as SGLang's own processes follow theirs (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    """In the server's process before the engine starts: SIGTERM (its graceful stop) when ``serve`` dies, even by
+    SIGKILL, as the engine's own processes follow theirs (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
@@ -194,22 +190,33 @@ def _store_folders(out: Path, streams: int) -> list[Path]:
     return [out / f"dp{rank}" for rank in range(streams)] if streams > 1 else [out]
 
 
-def _wait_server(server: subprocess.Popen, stopping: list[int], consumers: list[tuple[Path, subprocess.Popen]]) -> int:
-    """The server's exit status; says at once when a consumer stops while the server serves on."""
-    told: set[Path] = set()
+def _wait_server(server: subprocess.Popen, stopping: list[int], consumers: list[_Consumer], engine: str) -> int:
+    """The server's exit status. A consumer killed by a signal meanwhile is replaced; one that exited (a capture
+    failure, an error it reported) is said at once while the server serves on."""
     while True:
         try:
             return server.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             if stopping and len(stopping) > 1:  # a second Ctrl-C: do not wait for a graceful stop
                 server.kill()
-            for folder, consumer in consumers:
-                if stopping or folder in told or consumer.poll() is None:
+            for consumer in consumers:
+                code = consumer.process.poll()
+                if stopping or consumer.told or code is None:
                     continue
-                told.add(folder)
-                why = capture_failure(folder) or f"its consumer exited with code {consumer.returncode}"
+                if code < 0:  # killed (a user, the OOM killer): the next one records the gap and captures on
+                    print(
+                        f"hscapture serve: the consumer writing {consumer.folder} was killed "
+                        f"({signal.Signals(-code).name}); starting another: the rows lost meanwhile are counted",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    consumer.restart()
+                    continue
+                consumer.told = True
+                why = capture_failure(consumer.folder) or f"its consumer exited with code {code}"
                 print(
-                    f"hscapture serve: capture into {folder} stopped: {why}; SGLang serves on without capture",
+                    f"hscapture serve: capture into {consumer.folder} stopped: {why}; {engine} serves on without "
+                    "capture",
                     file=sys.stderr,
                     flush=True,
                 )

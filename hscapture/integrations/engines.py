@@ -203,6 +203,54 @@ class EngineSettings:
             raise ValueError(f"{cls.ENV}: not valid capture settings ({exc}); it must be PluginSettings JSON") from exc
 
 
+# -- the server launch (``hscapture serve``) --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServeCapture:
+    """What ``hscapture serve`` asks of an engine's server, whatever the engine (its options of the same names)."""
+
+    #: Base ZeroMQ endpoint of the capture streams.
+    endpoint: str
+    #: Layer ids and ranges as given (None: the engine's EAGLE-3 default).
+    layers: str | tuple[int, ...] | None
+    capture_last: bool
+    policy: str
+    slot_bytes: int | None
+    #: Facts stored with the run (launcher, the engine's arguments, ...).
+    meta: dict[str, Any]
+    #: SGLang on a GPU: decode rows copied from inside its CUDA graphs.
+    graph_copy: bool = True
+    #: The share of requests captured (None: every one).
+    sample_rate: float | None = None
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    """An engine's HTTP server with the plugin capturing: what ``hscapture serve`` starts, planned (and refused) before
+    anything starts."""
+
+    #: The engine's name in messages (``SGLang``, ``vLLM``).
+    name: str
+    command: list[str]
+    #: Variables set on top of ``serve``'s environment: the plugin's settings and what the engine needs for capture.
+    env: dict[str, str]
+    #: Capture streams the server publishes, one consumer each (``DIR/dp<rank>`` when more than one).
+    streams: int
+    #: What the engine does with the requests it serves when told to stop (SIGTERM), for ``serve``'s message.
+    on_stop: str
+
+
+def option_value(args: Sequence[str], *names: str) -> str | None:
+    """The value of an ``--name value`` or ``--name=value`` option in a command line (the last one given)."""
+    found = None
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                found = args[i + 1]
+            elif arg.startswith(name + "="):
+                found = arg.split("=", 1)[1]
+    return found
+
+
 def endpoint_for(base: str, dp_rank: int, dp_size: int) -> str:
     """One stream per data-parallel rank (SGLang: per attention-DP group); plain TP has a single one."""
     return base if dp_size <= 1 else f"{base}-dp{dp_rank}"

@@ -76,6 +76,7 @@ import ctypes.util
 import logging
 import os
 import subprocess
+import sys
 from array import array
 from collections import deque
 from collections.abc import Sequence
@@ -87,7 +88,14 @@ import numpy as np
 import torch
 
 from hscapture.config import dtype_name
-from hscapture.integrations.engines import EngineCapture, EngineSettings, LoadedModel
+from hscapture.integrations.engines import (
+    EngineCapture,
+    EngineSettings,
+    LoadedModel,
+    ServeCapture,
+    ServerLaunch,
+    option_value,
+)
 from hscapture.integrations.engines import endpoint_for as endpoint_for  # the launchers import it here
 from hscapture.integrations.sglang_select import LOSS_MASK_PARAM as LOSS_MASK_PARAM  # the launchers import it here
 from hscapture.integrations.sglang_select import RowFilter, loss_mask
@@ -219,6 +227,49 @@ def use_cpu_host_env() -> bool:
     os.environ.update(env)
     ctypes.CDLL(str(Path(env["LD_LIBRARY_PATH"].split(":")[0]) / "libcuda.so.1"), mode=ctypes.RTLD_GLOBAL)
     return True
+
+
+def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
+    """``python -m sglang.launch_server ARGS`` with the aux flags and the plugin's settings; one capture stream per
+    attention-DP group.
+
+    Raises:
+        ValueError: no ``--model-path``, pipeline parallelism, an architecture or layers SGLang's capture cannot give.
+    """
+    from hscapture.integrations.sglang_models import launch_plan
+
+    model = option_value(args, "--model-path", "--model")
+    if model is None:
+        raise ValueError("give SGLang's --model-path after --, e.g. hscapture serve --out DIR -- --model-path M")
+    if int(option_value(args, "--pp-size", "--pipeline-parallel-size") or 1) > 1:
+        raise ValueError("hscapture cannot capture with pipeline parallelism (--pp-size > 1); use TP or DP")
+    streams = int(option_value(args, "--dp-size", "--data-parallel-size") or 1)
+    plan = launch_plan(model, capture.layers)  # refuses what SGLang's capture cannot give, before it starts
+    settings = PluginSettings(
+        endpoint=capture.endpoint,
+        capture_last=capture.capture_last,
+        policy=capture.policy,
+        slot_bytes=capture.slot_bytes,
+        meta=capture.meta,
+        graph_copy=capture.graph_copy,
+        layers=list(plan.layers),
+        http_server=True,
+        sample_rate=capture.sample_rate,
+    )
+    extra = server_args(plan.sglang_ids)
+    env = {ENV: settings.to_env()}
+    cpu_env = cpu_host_env()
+    if cpu_env:  # no NVIDIA driver here: SGLang's CPU path
+        env.update(cpu_env)
+        if option_value(args, "--device") is None:
+            extra += CPU_SERVER_ARGS
+    return ServerLaunch(
+        name="SGLang",
+        command=[sys.executable, "-m", "sglang.launch_server", *args, *extra],
+        env=env,
+        streams=streams,
+        on_stop="SGLang finishes the requests it serves, then capture ends",
+    )
 
 
 def load_plugin() -> None:

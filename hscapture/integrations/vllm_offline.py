@@ -23,12 +23,19 @@ from typing import Any
 
 from hscapture.data import Sample, loss_mask_ranges, regenerate_prompt
 from hscapture.errors import HSCaptureError
-from hscapture.integrations.vllm import CLOSE_RPC, ENV, ID_ARG, LOSS_MASK_ARG, PluginSettings, engine_kwargs
+from hscapture.integrations.vllm import (
+    CLOSE_RPC,
+    ENV,
+    ENV_DEFAULTS,
+    ID_ARG,
+    LOSS_MASK_ARG,
+    PluginSettings,
+    engine_kwargs,
+)
 from hscapture.integrations.vllm_models import launch_plan
 
 MODES = ("teacher", "regenerate")
-#: What the plugin captures from so far: vLLM's V1 model runner (V2 is the GPU default) with sync scheduling.
-ENV_DEFAULTS = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+#: What the plugin captures from so far: sync scheduling (and vLLM's V1 runner: :data:`ENV_DEFAULTS`).
 ENGINE_DEFAULTS: dict[str, Any] = {"async_scheduling": False}
 #: vLLM on a host without a GPU: what its CPU path runs with on a small host (no inductor compile, a small KV cache).
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
