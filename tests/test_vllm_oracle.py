@@ -8,10 +8,11 @@ norm: the same as hscapture's layer ``k``, so the ids map one to one and layers 
 What differs is everything after the forward: hscapture's row bookkeeping, ring, wire and store against vLLM's KV
 cache slots and safetensors file. Any row given to the wrong request or position, or altered on the way, fails here.
 
-Bitwise holds for the same batches only (CPU matmul kernels block by row count, so other batch shapes change low
-bits): both engines run the same prompts in the same ``generate`` calls with the same engine settings, prompt rows
-only (one token sampled, greedy). Decode rows are not compared: with the method on, every decode step forwards two
-rows per request (the sample and its always-accepted "draft"), a different batch from plain decoding.
+Both engines run the same prompts in the same ``generate`` calls with the same engine settings, greedy, and vLLM's
+connector keeps the generated rows too (``include_output_tokens``), so prompt and decode rows are compared. Their
+decode batches still differ: with the method on, every decode step forwards two rows per request (the sample and
+its always-accepted "draft"). On vLLM's CPU path that changes no bit of a row (nor did half the batch size for the
+prompt rows, tried once); the comparison is exact, no tolerance.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hscapture.data import Sample, load_samples
+from hscapture.data import Sample, load_samples, regenerate_prompt
 from hscapture.store.reader import open_store
 
 if os.environ.get("HSCAPTURE_TEST_VLLM") != "required":
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.slow
 #: The embedding output, two inner layers and ``L`` (8 layers): both ends of the id mapping.
 LAYERS = [0, 2, 5, 8]
 BATCH = 4
+NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +64,14 @@ def _vllm_own(model: Path, batches: list[list[Sample]], out: Path) -> dict[str, 
             model=str(model), max_num_seqs=BATCH, **ENGINE_DEFAULTS, **CPU_ENGINE_KWARGS,
             **engine_kwargs(LAYERS, out, on_cpu=True),
         )  # fmt: skip
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0, extra_args={"kv_transfer_params": {"include_output_tokens": True}}
+    )
     try:
         files = {}
         for batch in batches:
-            prompts = [TokensPrompt(prompt_token_ids=list(s.input_ids)) for s in batch]
-            outputs = engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+            prompts = [TokensPrompt(prompt_token_ids=regenerate_prompt(s)) for s in batch]
+            outputs = engine.generate(prompts, params, use_tqdm=False)
             for sample, output in zip(batch, outputs):
                 files[sample.key] = load_hidden_states(output.kv_transfer_params["hidden_states_path"])
     finally:
@@ -85,7 +90,9 @@ def test_stored_rows_equal_vllms_own_extract_hidden_states_bitwise(
 
     out = tmp_path / "store"
     consumer = start_consumer(out, endpoint, "--exit-on-eos", in_process=True)
-    extraction = VLLMExtraction(tiny_model, LAYERS, False, None, "cpu", "teacher", max_batch_size=BATCH)
+    extraction = VLLMExtraction(
+        tiny_model, LAYERS, False, None, "cpu", "regenerate", max_batch_size=BATCH, max_new_tokens=NEW_TOKENS
+    )
     extraction.start(endpoint, {}, lambda: None)
     try:
         for batch in batches:
@@ -101,9 +108,10 @@ def test_stored_rows_equal_vllms_own_extract_hidden_states_bitwise(
     samples = [s for batch in batches for s in batch]
     assert sorted(store.keys(complete_only=True)) == sorted(s.key for s in samples) == sorted(own)
     for sample in samples:
-        rows, theirs = store.get(sample.key), own[sample.key]
-        assert theirs["token_ids"].tolist() == rows["input_ids"].tolist() == list(sample.input_ids), sample.key
-        assert theirs["hidden_states"].shape == (len(sample.input_ids), len(LAYERS), rows["layer_0"].shape[-1])
+        rows, theirs, prompt = store.get(sample.key), own[sample.key], regenerate_prompt(sample)
+        ids = rows["input_ids"].tolist()
+        assert theirs["token_ids"].tolist() == ids, sample.key
+        assert ids[: len(prompt)] == prompt and len(ids) == len(prompt) + NEW_TOKENS - 1, sample.key  # 5 decoded
         for i, k in enumerate(LAYERS):
             got, want = rows[f"layer_{k}"], theirs["hidden_states"][:, i]
             assert got.dtype == want.dtype == torch.bfloat16, (sample.key, k)
