@@ -42,6 +42,7 @@ SUITES: dict[str, str] = {
     "read": "benchmarks.read_verify",
     "sglang": "benchmarks.sglang_serving",
     "store": "benchmarks.store_rate",
+    "vllm": "benchmarks.vllm_serving",
     "wide": "benchmarks.wide",
 }
 

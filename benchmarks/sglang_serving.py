@@ -20,22 +20,21 @@ without a GPU SGLang runs its CPU path and only the ratios mean anything.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import engine_rounds
 from benchmarks.report import Outcome, SuiteSkipped, SuiteSpec
 
 VARIANTS = ("off", "builtin", "hscapture")
-#: Each variant's engine is started this many times, variants in rotated order, to spread drift.
+#: Each variant's engine is started this many times (:func:`engine_rounds.measure`).
 PASSES = 2
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,44 +70,16 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
         results={},
     )
     store = Path(tempfile.mkdtemp(prefix="hscapture-bench-sglang-"))
-    rounds: dict[str, list[float]] = {v: [] for v in VARIANTS}
     try:
-        for turn in range(PASSES):  # engines one at a time (an idle SGLang engine still spins on the CPU)
-            for variant in VARIANTS[turn % 3 :] + VARIANTS[: turn % 3]:
-                rounds[variant] += _measure(_start_worker(variant, model, store, args), -(-args.repeats // PASSES))
+        rounds = engine_rounds.measure(VARIANTS, lambda v: _start_worker(v, model, store, args), args.repeats, PASSES)
     finally:
         shutil.rmtree(store, ignore_errors=True)
-    tokens = args.requests * args.new_tokens
-    off = statistics.median(rounds["off"])
-    outcome.results = {
-        v: {
-            "tok_per_s": tokens / statistics.median(rounds[v]),
-            "vs_off": off / statistics.median(rounds[v]),
-            "seconds": rounds[v],
-        }
-        for v in VARIANTS
-    }
+    outcome.results = engine_rounds.figures(rounds, args.requests * args.new_tokens)
     outcome.results["hscapture_vs_builtin"] = statistics.median(rounds["builtin"]) / statistics.median(
         rounds["hscapture"]
     )
     checkpoint(outcome)
     return outcome
-
-
-def _measure(worker: subprocess.Popen, repeats: int) -> list[float]:
-    """A warm-up round, then ``repeats`` timed rounds of one engine; then it stops."""
-    try:
-        _expect(worker, "ready")
-        _expect(worker, "round")
-        return [_expect(worker, "round")["seconds"] for _ in range(repeats)]
-    finally:
-        if worker.poll() is None:
-            worker.stdin.write("stop\n")  # type: ignore[union-attr]
-            worker.stdin.flush()  # type: ignore[union-attr]
-        try:
-            worker.wait(120)
-        except subprocess.TimeoutExpired:
-            worker.kill()
 
 
 def _start_worker(variant: str, model: Path, store: Path, args: argparse.Namespace) -> subprocess.Popen:
@@ -117,18 +88,6 @@ def _start_worker(variant: str, model: Path, store: Path, args: argparse.Namespa
     command += ["--prompt-tokens", str(args.prompt_tokens)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-
-
-def _expect(worker: subprocess.Popen, kind: str) -> dict[str, Any]:
-    if kind == "round":
-        worker.stdin.write("go\n")  # type: ignore[union-attr]
-        worker.stdin.flush()  # type: ignore[union-attr]
-    for line in worker.stdout:  # type: ignore[union-attr]
-        if line.startswith("{"):
-            message = json.loads(line)
-            if message["kind"] == kind:
-                return message
-    raise RuntimeError(f"a benchmark worker exited with {worker.wait()} before sending {kind!r}")
 
 
 def worker_main() -> None:
@@ -168,14 +127,12 @@ def worker_main() -> None:
     )
     prompts = [[1 + (i * 7 + j) % 1000 for j in range(args.prompt_tokens)] for i in range(args.requests)]
     params = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
-    print(json.dumps({"kind": "ready"}), flush=True)
     try:
-        for line in sys.stdin:
-            if line.strip() != "go":
-                break
-            started = time.perf_counter()
-            engine.generate(input_ids=prompts, sampling_params=params, return_hidden_states=args.variant == "builtin")
-            print(json.dumps({"kind": "round", "seconds": time.perf_counter() - started}), flush=True)
+        engine_rounds.serve(
+            lambda: engine.generate(
+                input_ids=prompts, sampling_params=params, return_hidden_states=args.variant == "builtin"
+            )
+        )
     finally:
         if consumer is not None:
             from hscapture.integrations.sglang import CLOSE_RPC
@@ -192,12 +149,7 @@ def tok_per_s(record: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def table(record: dict[str, Any]) -> str:
     results = record["results"]
-    lines = ["| variant | tok/s | vs off | seconds per round (min–max) |", "|---|---:|---:|---:|"]
-    for v in VARIANTS:
-        r = results[v]
-        lines.append(
-            f"| {v} | {r['tok_per_s']:.1f} | {r['vs_off']:.3f} | {min(r['seconds']):.2f}–{max(r['seconds']):.2f} |"
-        )
+    lines = engine_rounds.table(results, VARIANTS)
     lines.append(f"\nhscapture is {results['hscapture_vs_builtin']:.2f}x the built-in path's tok/s.")
     return "\n".join(lines)
 

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from importlib import metadata
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,14 @@ def test_gpu_suite_skips_without_a_gpu_and_writes_nothing(tmp_path: Path) -> Non
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(find_spec("vllm") is not None, reason="checks the skip where vLLM is not installed")
+def test_vllm_suite_skips_without_vllm_and_writes_nothing(tmp_path: Path) -> None:
+    done = run_bench("vllm", "--results-dir", tmp_path, "--readme", tmp_path / "README.md", in_process=True)
+    assert done.returncode == 0
+    assert "vllm suite skipped: vLLM is not installed here" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_gpu_suite_refuses_bad_settings_naming_the_option(tmp_path: Path) -> None:
     done = run_bench(
         "gpu", "--tiny", "--device", "cpu", "--prefill-tokens", "65", "--prefill-seqs", "2",
@@ -226,7 +235,7 @@ def test_a_smoke_run_leaves_the_checkouts_results_and_readme_alone(tmp_path: Pat
     from benchmarks import run
 
     parser = run.build_parser()
-    for suite in ("gpu", "extract", "parallel", "read"):
+    for suite in ("gpu", "extract", "parallel", "read", "vllm"):
         results, readme = run.destinations(parser.parse_args([suite, "--tiny"]))
         assert results.is_dir() and not list(results.iterdir()) and readme is None, suite
         assert not results.resolve().is_relative_to(ROOT), suite

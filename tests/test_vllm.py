@@ -5,7 +5,7 @@ vLLM is not importable. Each extraction starts one vLLM engine (~30 s on the 2-c
 
 The oracle here is an independent HF forward (``output_hidden_states``; for layer ``L``, vLLM's pre-norm output,
 the last decoder layer's own output): the stored rows must be within engine noise of it, per layer (figures
-printed). vLLM's own ``extract_hidden_states`` path as a bitwise oracle is not wired yet (issue 32).
+printed). vLLM's own ``extract_hidden_states`` path is the bitwise oracle in tests/test_vllm_oracle.py.
 """
 
 from __future__ import annotations
