@@ -435,6 +435,23 @@ KIMI_K25_VISION_SHAPE: dict[str, Any] = {
     "init_pos_emb_width": 8,
     "text_hidden_size": DEEPSEEK_V3_SHAPE["hidden_size"],
 }
+#: Kimi-K2.5's ``preprocessor_config.json``, as a real checkpoint ships it, less its remote-code ``auto_map``: the
+#: ``media_proc_cfg`` keys vLLM's ``KimiK25FusedVisionProcessor`` reads (patch and merge sizes the tower's defaults).
+#: vLLM builds that processor with its ModelConfig even when serving text only (``--language-model-only``).
+KIMI_K25_PREPROCESSOR: dict[str, Any] = {
+    "media_proc_cfg": {
+        "patch_size": 14,
+        "merge_kernel_size": 2,
+        "in_patch_limit": 16384,
+        "patch_limit_on_one_side": 512,
+        "fixed_output_tokens": None,
+        "in_patch_limit_each_frame": 4096,
+        "in_patch_limit_video": None,
+        "temporal_merge_kernel_size": 4,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+}
 ARCHITECTURES = ("llama", "deepseek_v2", "deepseek_v3", "kimi_k25", "qwen3", "gemma3")
 
 
@@ -518,7 +535,8 @@ def _wrap_as_kimi_k25(out_dir: Path) -> None:
 
     Kimi-K2.5 (``KimiK25ForConditionalGeneration``) is a DeepSeek-V3 text model under
     ``language_model.`` plus a vision tower; the tower's weights are left out (SGLang keeps its
-    random init, and the tests serve text only).
+    random init, and the tests serve text only). The LM head is the text model's own, untied
+    (``Kimi_K25Config`` ties by default), and the image processor's config is there for vLLM.
     """
     _rename_weights(out_dir, "", "language_model.")
     config_path = out_dir / "config.json"
@@ -532,8 +550,10 @@ def _wrap_as_kimi_k25(out_dir: Path) -> None:
         "bos_token_id": text["bos_token_id"],
         "eos_token_id": text["eos_token_id"],
         "dtype": text.get("dtype", "bfloat16"),
+        "tie_word_embeddings": False,
     }
     config_path.write_text(json.dumps(kimi, indent=2))
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(KIMI_K25_PREPROCESSOR, indent=2))
 
 
 @contextlib.contextmanager
