@@ -76,14 +76,17 @@ def demo_store(tiny_model: Path, demo_data: Path, tmp_path_factory: pytest.TempP
 
 def hf_forward(model: Path) -> Callable[[list[int]], tuple[torch.Tensor, ...]]:
     """HF's ``output_hidden_states`` of one sequence, in the stored dtype (bf16), each ``[T, H]``, with the last
-    decoder layer's output before the final norm appended (what vLLM's aux layer ``L`` is)."""
-    from transformers import AutoModelForCausalLM
+    decoder layer's output before the final norm appended (what vLLM's aux layer ``L`` is). A model with a vision
+    tower (Kimi-K2.5) loads as HF's own image-text class, which reads the checkpoint's ``language_model.`` weights
+    itself; its decoder stack is ``model.language_model``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    multimodal = "vision_config" in json.loads((model / "config.json").read_text())
+    loader = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    hf = loader.from_pretrained(model, dtype=torch.bfloat16).eval()
+    stack = hf.model.language_model if multimodal else hf.model
     seen: dict[str, torch.Tensor] = {}
-    hf.model.layers[-1].register_forward_hook(
-        lambda m, i, o: seen.__setitem__("out", o[0] if isinstance(o, tuple) else o)
-    )
+    stack.layers[-1].register_forward_hook(lambda m, i, o: seen.__setitem__("out", o[0] if isinstance(o, tuple) else o))
 
     def states(token_ids: list[int]) -> tuple[torch.Tensor, ...]:
         with torch.no_grad():
@@ -167,8 +170,11 @@ def test_chunked_prefill_and_prefix_cache_hits_store_every_row(
 
 #: Tiny models of the other architectures, with the layers asked for: the first each captures, one inside, and
 #: ``L`` (pre-norm). vLLM's CPU MLA takes head sizes 320, 512 and 576 only (kv_lora_rank + qk_rope_head_dim), so the
-#: tiny DeepSeek-V3 is widened to 256 + 64.
-OTHERS = {"qwen3": "0,1,3,6", "deepseek_v3": "1,2,4,8"}
+#: tiny DeepSeek-V3 (Kimi-K2.5's text model too) is widened to 256 + 64.
+OTHERS = {"qwen3": "0,1,3,6", "deepseek_v3": "1,2,4,8", "kimi_k25": "1,2,4,8"}
+#: vLLM arguments a model needs: the tiny Kimi-K2.5 has no vision tower weights and no media tokens, so vLLM serves
+#: its text model only (without it, vLLM's dummy image prompt finds no ``<|media_pad|>`` to replace).
+OTHERS_ARGS = {"kimi_k25": ["--", "--language-model-only"]}
 _MLA_WIDTHS = {"kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}
 
 
@@ -184,7 +190,7 @@ def test_other_architectures_store_the_layers_their_row_describes(
             patch.setitem(tiny.DEEPSEEK_V3_SHAPE, field_name, value)
         model = tiny.ensure_tiny_model(tmp_path_factory.mktemp(f"vllm-{name}") / name, name)
     out = tmp_path_factory.mktemp(f"vllm-{name}-store") / "store"
-    summary = _extract(model, demo_data, out, "--layers", OTHERS[name], "--limit", "4")
+    summary = _extract(model, demo_data, out, "--layers", OTHERS[name], "--limit", "4", *OTHERS_ARGS.get(name, []))
     assert summary["complete"] == 4 and summary["incomplete"] == 0
     meta = open_store(out).metadata()
     run = meta["runs"][-1]["meta"]

@@ -62,15 +62,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     **_rows(["Qwen2ForCausalLM"], stack="qwen2.Qwen2Model", first_layer=0, checked="source"),
     **_rows(["Qwen3ForCausalLM"], stack="qwen3.Qwen3Model", first_layer=0, checked="cpu-test"),
     **_rows(["Qwen3MoeForCausalLM"], stack="qwen3_moe.Qwen3MoeModel", first_layer=0, checked="source"),
-    **_rows(["DeepseekV3ForCausalLM"], stack="deepseek_v2.DeepseekV2Model", first_layer=1, checked="cpu-test"),
-    # Kimi-K2.5 forwards to the DeepSeek-V3 stack above; vLLM's Kimi processor wants an image-processor config the
-    # tiny test model lacks (even with --language-model-only), so its own run is still owed.
+    # Kimi-K2.5 forwards to its DeepSeek-V3 language model; tested text-only (--language-model-only), vLLM still
+    # building its image processor from the checkpoint's preprocessor_config.json (the tiny model ships one).
     **_rows(
-        ["DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration"],
+        ["DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"],
         stack="deepseek_v2.DeepseekV2Model",
         first_layer=1,
-        checked="source",
+        checked="cpu-test",
     ),
+    **_rows(["DeepseekV2ForCausalLM"], stack="deepseek_v2.DeepseekV2Model", first_layer=1, checked="source"),
 }
 
 
