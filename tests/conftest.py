@@ -7,6 +7,7 @@ import io
 import logging
 import os
 import pwd
+import re
 import shutil
 import signal
 import subprocess
@@ -170,17 +171,24 @@ def start_consumer() -> Iterator[ConsumerFactory]:
     started: list[subprocess.Popen | ThreadConsumer] = []
 
     def start(
-        out: Path | None, endpoint: str, *extra: str, log: Path | None = None, in_process: bool = False
+        out: Path | None,
+        endpoint: str,
+        *extra: str,
+        log: Path | None = None,
+        in_process: bool = False,
+        quiet: bool = True,
+        env: dict[str, str] | None = None,
     ) -> subprocess.Popen | ThreadConsumer:
-        """``log``: a file its stderr (warnings, rejections) goes to, for the test to read (processes only)."""
-        command = consume_command(endpoint, out, "--quiet", "--heartbeat-ms", "50", *extra)
+        """``log``: a file its stderr (warnings, rejections, stats lines) goes to, for the test to read (processes
+        only); ``quiet``: no stats lines; ``env``: its whole environment (processes only)."""
+        command = consume_command(endpoint, out, *(["--quiet"] if quiet else []), "--heartbeat-ms", "50", *extra)
         if in_process:
-            assert log is None, "a consumer thread logs to the test's own logging (caplog)"
+            assert log is None and env is None, "a consumer thread logs to the test's own logging (caplog)"
             started.append(ThreadConsumer(command))
             return started[-1]
         with contextlib.ExitStack() as stack:
             stderr = None if log is None else stack.enter_context(log.open("wb"))
-            process = subprocess.Popen(command, stderr=stderr)
+            process = subprocess.Popen(command, stderr=stderr, env=env)
         started.append(process)
         return process
 
@@ -190,6 +198,72 @@ def start_consumer() -> Iterator[ConsumerFactory]:
             consumer.kill()
             if isinstance(consumer, subprocess.Popen):
                 consumer.wait()
+
+
+@dataclass
+class LoggedConsumer:
+    """A consumer process whose stderr goes to a file the test reads (:func:`logged_consumer`)."""
+
+    process: subprocess.Popen
+    out: Path
+    log: Path
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def lines(self) -> list[str]:
+        return self.stderr().splitlines()
+
+    def wait_for_line(self, pattern: str, timeout_s: float = 60) -> re.Match[str]:
+        """The first line of its stderr matching ``pattern``, once it is written; fails if it exits first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            exited = self.process.poll() is not None
+            for line in self.lines():
+                if match := re.search(pattern, line):
+                    return match
+            if exited:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in:\n{self.stderr()[-3000:]}")
+
+    def wait_exit(
+        self, timeout_s: float, producer: Producer | None = None, step: Callable[[], object] | None = None
+    ) -> int:
+        """Its exit status, serving ``producer`` (or running ``step``) meanwhile; fails after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.process.poll() is None:
+            assert time.monotonic() < deadline, f"still running after {timeout_s} s:\n{self.stderr()[-2000:]}"
+            if step is not None:
+                step()
+            elif producer is not None:
+                producer.poll()
+            time.sleep(0.02)
+        return self.process.returncode
+
+    def stop(self) -> int:
+        """Ctrl-C, then its exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+        return self.process.wait(60)
+
+
+@pytest.fixture
+def logged_consumer(start_consumer: ConsumerFactory, tmp_path: Path) -> Callable[..., LoggedConsumer]:
+    """``hscapture consume`` as a process with its stats lines on, its stderr in ``tmp_path/consumer-N.log``, its store
+    ``out`` (default ``tmp_path/store-N``); ``env``: its whole environment."""
+    count = 0
+
+    def start(endpoint: str, *extra: str, out: Path | None = None, env: dict[str, str] | None = None) -> LoggedConsumer:
+        nonlocal count
+        out = tmp_path / f"store-{count}" if out is None else out
+        log = tmp_path / f"consumer-{count}.log"
+        count += 1
+        process = start_consumer(out, endpoint, *extra, log=log, quiet=False, env=env)
+        assert isinstance(process, subprocess.Popen)
+        return LoggedConsumer(process, out, log)
+
+    return start
 
 
 def wait_attached(producer: Producer, timeout_s: float = 120.0) -> None:

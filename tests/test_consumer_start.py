@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,47 +32,60 @@ from tests.workload import NUM_TENSORS, Workload, make_config, make_producer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def touched(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """When each shard buffer was touched, touching made slow (0.4 s, as first writes are on a loaded host)."""
-    times: list[float] = []
+class Touches:
+    """When each shard buffer was touched; every touch after the first waits for :attr:`gate` (as first writes
+    wait on a loaded host), so what ``begin_run`` waited for shows in how many were touched when it returned."""
 
-    def slow_touch(buffer: ShardBuffer) -> ShardBuffer:
-        time.sleep(0.4)
-        times.append(time.monotonic())
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.gate = threading.Event()
+
+    def touch(self, buffer: ShardBuffer) -> ShardBuffer:
+        if self.times:
+            self.gate.wait(30)
+        self.times.append(time.monotonic())
         return buffer
 
-    monkeypatch.setattr(writer_module, "touch", slow_touch)
-    return times
+
+@pytest.fixture
+def touched(monkeypatch: pytest.MonkeyPatch) -> Iterator[Touches]:
+    touches = Touches()
+    monkeypatch.setattr(writer_module, "touch", touches.touch)
+    yield touches
+    touches.gate.set()  # a writer a failed test left open finishes touching
 
 
-def test_a_run_begins_once_its_first_buffer_is_ready_not_all_of_them(tmp_path: Path, touched: list[float]) -> None:
+def test_a_run_begins_once_its_first_buffer_is_ready_not_all_of_them(tmp_path: Path, touched: Touches) -> None:
     """begin_run returns once the first buffer is touched (the producer may send rows from then on), the others
     are touched behind it, and every row lands where it belongs."""
     writer = StoreWriter(tmp_path / "store", shard_bytes=1 << 20, writer_threads=2, shard_buffers=4)
-    started = time.monotonic()
-    writer.begin_run(*make_layout())
-    begun = time.monotonic() - started
-    assert len(touched) == 1 and begun < 0.75, f"begin_run waited {begun:.2f} s, {len(touched)} buffers touched"
-    deadline = time.monotonic() + 30
-    while len(touched) < 4 and time.monotonic() < deadline:  # the others, behind it
-        time.sleep(0.05)
-    assert len(touched) == 4, f"{len(touched)} of 4 buffers touched after 30 s"
-    rng = np.random.default_rng(1)
-    feed = Feed(writer, {"a": make_request(40, "float32", rng)})
-    feed.chunk([("a", range(40))])
-    feed.finish("a", num_tokens=40)
-    writer.close()
+    try:
+        writer.begin_run(*make_layout())
+        assert len(touched.times) == 1, f"begin_run returned with {len(touched.times)} buffers touched, not 1"
+        touched.gate.set()
+        deadline = time.monotonic() + 30
+        while len(touched.times) < 4 and time.monotonic() < deadline:  # the others, behind it
+            time.sleep(0.05)
+        assert len(touched.times) == 4, f"{len(touched.times)} of 4 buffers touched after 30 s"
+        rng = np.random.default_rng(1)
+        feed = Feed(writer, {"a": make_request(40, "float32", rng)})
+        feed.chunk([("a", range(40))])
+        feed.finish("a", num_tokens=40)
+    finally:
+        writer.close()
     assert torch.equal(open_store(tmp_path / "store").get("a")["layer_2"], feed.requests["a"].rows[0])
 
 
-def test_a_run_for_a_drop_producer_begins_with_every_buffer_touched(tmp_path: Path, touched: list[float]) -> None:
+def test_a_run_for_a_drop_producer_begins_with_every_buffer_touched(tmp_path: Path, touched: Touches) -> None:
     """``ready`` (a drop producer's run): begin_run returns only once every buffer is touched, so the first rows
     meet no page fault and nothing of the store's start-up competes with them."""
+    touched.gate.set()
     writer = StoreWriter(tmp_path / "store", shard_bytes=1 << 20, writer_threads=2, shard_buffers=4)
-    writer.begin_run(*make_layout(), ready=True)
-    assert len(touched) == 4
-    writer.close()
+    try:
+        writer.begin_run(*make_layout(), ready=True)
+        assert len(touched.times) == 4
+    finally:
+        writer.close()
 
 
 def test_consume_imports_no_extraction_export_or_serving() -> None:

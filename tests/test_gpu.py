@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from hscapture import CaptureConfig, HSCaptureError, Producer, open_store
-from hscapture.consumer import consume_command
 from hscapture.consumer.device_fp8 import RowCrcs
 from hscapture.fp8 import quantize_into, quantize_rows
 from hscapture.producer.row_kernel import GraphRows
 from hscapture.ring.cuda import CudaRingReader
 from hscapture.store.checksum import row_crcs
 from hscapture.store.verify import verify_store
-from tests.conftest import ConsumerFactory, sync_debug, wait_attached
+from tests.conftest import ConsumerFactory, LoggedConsumer, sync_debug, wait_attached
 from tests.storefeed import special_rows
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -282,29 +281,28 @@ def test_row_crcs_on_the_gpu_equal_zlib_without_a_sync(width: int) -> None:
 
 @pytest.mark.gpu
 @requires_gpu
-def test_fp8_store_from_a_cuda_ring_is_quantized_on_the_gpu(tmp_path: Path, endpoint: str) -> None:
+def test_fp8_store_from_a_cuda_ring_is_quantized_on_the_gpu(
+    tmp_path: Path, endpoint: str, logged_consumer: Callable[..., LoggedConsumer]
+) -> None:
     """A real consumer of a CUDA ring quantizes on the GPU and stores the CPU quantizer's bits, counts
     the non-finite values per shard, and the store verifies."""
     pytest.importorskip("cupy")
     rows = special_rows(torch.bfloat16, tensors=4, n=60, hidden=HIDDEN)  # special rows in the first request
-    options = ("--exit-on-eos", "--store-dtype", "fp8", "--heartbeat-ms", "50", "--shard-bytes", "64K")
-    consumer = subprocess.Popen(consume_command(endpoint, tmp_path, *options), stderr=subprocess.PIPE, text=True)
-    try:
-        producer = producer_for(gpu_config(endpoint))
-        wait_attached(producer)
-        states = [plane.cuda() for plane in rows]
-        for step, (begin, end) in enumerate([(0, 20), (20, 45), (45, 60)]):
-            request_id = f"r{step}"
-            producer.capture_step([s[begin:end] for s in states], [request_id], [end - begin],
-                                  np.arange(end - begin), np.arange(begin, end))  # fmt: skip
-            producer.finish_request(request_id, num_tokens=end - begin)
-        producer.close()
-        _, stderr = consumer.communicate(timeout=60)
-    finally:
-        consumer.kill()
-    assert consumer.returncode == 0, stderr
-    assert "fp8 quantized on the GPU" in stderr
-    store = open_store(tmp_path)
+    options = ("--exit-on-eos", "--store-dtype", "fp8", "--shard-bytes", "64K")
+    store_dir = tmp_path / "store"
+    consumer = logged_consumer(endpoint, *options, out=store_dir)
+    producer = producer_for(gpu_config(endpoint))
+    wait_attached(producer)
+    states = [plane.cuda() for plane in rows]
+    for step, (begin, end) in enumerate([(0, 20), (20, 45), (45, 60)]):
+        request_id = f"r{step}"
+        producer.capture_step([s[begin:end] for s in states], [request_id], [end - begin],
+                              np.arange(end - begin), np.arange(begin, end))  # fmt: skip
+        producer.finish_request(request_id, num_tokens=end - begin)
+    producer.close()
+    assert consumer.wait_exit(60) == 0, consumer.stderr()
+    assert "fp8 quantized on the GPU" in consumer.stderr()
+    store = open_store(store_dir)
     assert store.quantized and sorted(store.keys(complete_only=True)) == ["r0", "r1", "r2"]
     for step, (begin, end) in enumerate([(0, 20), (20, 45), (45, 60)]):
         raw = store.get(f"r{step}", dequantize=False)
@@ -312,13 +310,13 @@ def test_fp8_store_from_a_cuda_ring_is_quantized_on_the_gpu(tmp_path: Path, endp
             codes, scales, _ = quantize_rows(rows[t, begin:end])
             assert torch.equal(raw[name].view(torch.uint8), codes.view(torch.uint8)), (step, name)
             assert torch.equal(raw[f"{name}.scale"], scales), (step, name)
-    lines = [json.loads(line) for line in (tmp_path / "index.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (store_dir / "index.jsonl").read_text().splitlines()]
     counted: dict[str, int] = {}
     for line in lines:
         for name, count in line.get("nonfinite", {}).items():
             counted[name] = counted.get(name, 0) + count
     assert counted == {"layer_1": 3, "layer_2": 1 + HIDDEN, "layer_3": 1}
-    assert verify_store(tmp_path).ok
+    assert verify_store(store_dir).ok
 
 
 @pytest.mark.gpu

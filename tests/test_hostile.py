@@ -14,13 +14,10 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +34,7 @@ from hscapture.protocol import PROTOCOL_VERSION as V
 from hscapture.protocol import Chunk, EndOfStream, Hello, Layout, Release, RequestFinished
 from hscapture.ring import SHM_DIR, HostRing
 from hscapture.transport import ProducerSockets, release_endpoint
-from tests.conftest import ConsumerFactory, wait_attached
+from tests.conftest import ConsumerFactory, LoggedConsumer, wait_attached
 from tests.workload import Workload, make_config, make_producer
 
 MiB = 1 << 20
@@ -394,49 +391,22 @@ NUM_SLOTS = 4
 REJECTED_ON_ANNOUNCE = "rejected message on announce socket: "
 
 
-@dataclass
-class LiveConsumer:
-    process: subprocess.Popen
-    out: Path
-    log: Path
+def announce_rejections(consumer: LoggedConsumer) -> list[str]:
+    """What the consumer logged it rejected, one reason per announcement."""
+    return [line.split(REJECTED_ON_ANNOUNCE, 1)[1] for line in consumer.lines() if REJECTED_ON_ANNOUNCE in line]
 
-    def stderr(self) -> str:
-        return self.log.read_text(errors="replace")
 
-    def rejections(self) -> list[str]:
-        return [
-            line.split(REJECTED_ON_ANNOUNCE, 1)[1]
-            for line in self.stderr().splitlines()
-            if REJECTED_ON_ANNOUNCE in line
-        ]
-
-    def stats(self) -> dict[str, int]:
-        done = [line for line in self.stderr().splitlines() if line.startswith("done: ")]
-        assert len(done) == 1, self.stderr()[-3000:]
-        return ast.literal_eval(done[0][len("done: ") :])
+def done_stats(consumer: LoggedConsumer) -> dict[str, int]:
+    """The counters of its ``done:`` line."""
+    done = [line for line in consumer.lines() if line.startswith("done: ")]
+    assert len(done) == 1, consumer.stderr()[-3000:]
+    return ast.literal_eval(done[0][len("done: ") :])
 
 
 @pytest.fixture
-def live_consumer(tmp_path: Path) -> Iterator[Callable[..., LiveConsumer]]:
-    """``hscapture consume --exit-on-eos`` without --quiet, its stderr in a file; killed at teardown."""
-    started: list[subprocess.Popen] = []
-
-    def start(endpoint: str, *extra: str) -> LiveConsumer:
-        n = len(started)
-        out, log = tmp_path / f"store-{n}", tmp_path / f"consumer-{n}.log"
-        command = [sys.executable, "-m", "hscapture", "consume", "--out", str(out), "--endpoint", endpoint]
-        with log.open("wb") as stderr:
-            process = subprocess.Popen(
-                [*command, "--heartbeat-ms", "50", "--exit-on-eos", *extra], stdout=subprocess.DEVNULL, stderr=stderr
-            )
-        started.append(process)
-        return LiveConsumer(process, out, log)
-
-    yield start
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+def live_consumer(logged_consumer: Callable[..., LoggedConsumer]) -> Callable[..., LoggedConsumer]:
+    """``hscapture consume --exit-on-eos`` with its stats on, its stderr in a file; killed at teardown."""
+    return lambda endpoint, *extra: logged_consumer(endpoint, "--exit-on-eos", *extra)
 
 
 class FakeProducer:
@@ -454,7 +424,7 @@ class FakeProducer:
         #: Every row announced in a valid chunk: request -> position -> ([tensors, hidden], token id).
         self.rows: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
         #: The consumer process under test: waits fail at once when it has exited.
-        self.consumer: LiveConsumer | None = None
+        self.consumer: LoggedConsumer | None = None
         #: ``(slot, seq)`` released and not taken by :meth:`next_release` yet (a release may carry several).
         self.released: deque[tuple[int, int]] = deque()
 
@@ -500,11 +470,11 @@ class FakeProducer:
             self.released.extend([(release.slot, release.seq), *release.more])
         return self.released.popleft()
 
-    def first_hello(self, consumer: LiveConsumer, timeout_s: float = 120.0) -> None:
+    def first_hello(self, consumer: LoggedConsumer, timeout_s: float = 120.0) -> None:
         self.consumer = consumer
         self.consumer_id = self.wait_for(lambda m: isinstance(m, Hello), timeout_s).consumer_id
 
-    def handshake(self, consumer: LiveConsumer, timeout_s: float = 120.0, **layout: Any) -> None:
+    def handshake(self, consumer: LoggedConsumer, timeout_s: float = 120.0, **layout: Any) -> None:
         """Answer the consumer's hello with our layout and wait until it confirms."""
         self.first_hello(consumer, timeout_s)
         self.send(self.layout(**layout))
@@ -615,7 +585,7 @@ GARBAGE = r"^malformed message|protocol version"
 
 
 def test_consumer_rejects_every_hostile_announcement_and_stores_exactly_the_valid_rows(
-    tmp_path: Path, endpoint: str, fake_producer: FakeProducer, live_consumer: Callable[..., LiveConsumer]
+    tmp_path: Path, endpoint: str, fake_producer: FakeProducer, live_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     fake = fake_producer
     consumer = live_consumer(endpoint, "--shard-bytes", str(5 * ROW_BYTES))  # chunks straddle shards
@@ -776,11 +746,11 @@ def test_consumer_rejects_every_hostile_announcement_and_stores_exactly_the_vali
 
     stderr = consumer.stderr()
     assert "Traceback" not in stderr, stderr[-3000:]
-    reasons = consumer.rejections()
+    reasons = announce_rejections(consumer)
     assert len(reasons) == len(hostile), stderr[-3000:]
     for expected, reason in zip(hostile, reasons):
         assert re.search(expected, reason), f"expected /{expected}/, logged {reason[:300]!r}"
-    stats = consumer.stats()
+    stats = done_stats(consumer)
     assert stats["messages_rejected"] == len(hostile)
     assert stats["chunks"] == len(valid) and stats["rows"] == sum(len(r) for r in fake.rows.values())
     assert stats["runs"] == 1 and stats["end_of_streams"] == 1
@@ -793,7 +763,7 @@ def test_consumer_rejects_every_hostile_announcement_and_stores_exactly_the_vali
     assert [run["run_id"] for run in runs] == [fake.run_id] and runs[0]["end"]["reason"] == "end of stream"
 
 
-def _survives(fake: FakeProducer, consumer: LiveConsumer, *run_ids: str) -> None:
+def _survives(fake: FakeProducer, consumer: LoggedConsumer, *run_ids: str) -> None:
     """End every run the consumer may be on; it must exit 0 without a traceback."""
     for run_id in run_ids:
         if consumer.process.poll() is None:
@@ -803,7 +773,7 @@ def _survives(fake: FakeProducer, consumer: LiveConsumer, *run_ids: str) -> None
 
 
 def test_consumer_survives_a_layout_with_a_pid_beyond_pid_t(
-    fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LiveConsumer]
+    fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     fake = fake_producer
     consumer = live_consumer(endpoint)
@@ -814,7 +784,7 @@ def test_consumer_survives_a_layout_with_a_pid_beyond_pid_t(
 
 
 def test_consumer_survives_a_first_layout_with_zero_hidden_size(
-    fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LiveConsumer]
+    fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     fake = fake_producer
     consumer = live_consumer(endpoint)
@@ -825,7 +795,7 @@ def test_consumer_survives_a_first_layout_with_zero_hidden_size(
 
 
 def test_a_layout_larger_than_its_ring_is_refused_before_any_row_is_read(
-    fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LiveConsumer]
+    fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     fake = fake_producer
     consumer = live_consumer(endpoint, "--shard-bytes", str(4 * ROW_BYTES))  # 4 rows per shard
@@ -846,7 +816,7 @@ def test_a_layout_larger_than_its_ring_is_refused_before_any_row_is_read(
     )
     fake.handshake(consumer)  # still there, and takes a proper layout
     _survives(fake, consumer, fake.run_id)
-    rejections = consumer.rejections()
+    rejections = announce_rejections(consumer)
     assert len(rejections) == 1 and "do not fit the ring" in rejections[0], rejections  # the layout itself
     assert not (consumer.out / "meta.json").exists() or "evil" not in open_store(consumer.out)
 
@@ -871,7 +841,7 @@ def _ring_lookalike(kind: str, tmp_path: Path, nbytes: int) -> tuple[Path, int]:
 
 @pytest.mark.parametrize("kind", ["symlink", "empty", "directory", "fifo"])
 def test_consumer_rejects_a_layout_naming_a_ring_lookalike(
-    kind: str, tmp_path: Path, fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LiveConsumer]
+    kind: str, tmp_path: Path, fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     fake = fake_producer
     path, nbytes = _ring_lookalike(kind, tmp_path, fake.ring.describe()["nbytes"])
@@ -882,7 +852,7 @@ def test_consumer_rejects_a_layout_naming_a_ring_lookalike(
         fake.send(fake.layout(run_id=f"lookalike-{kind}", ring=lookalike))
         fake.handshake(consumer)  # a proper layout after it: taken, so the consumer is alive, not stuck
         _survives(fake, consumer, fake.run_id)
-        assert [r for r in consumer.rejections() if r.startswith("Layout.ring")], consumer.stderr()[-2000:]
+        assert [r for r in announce_rejections(consumer) if r.startswith("Layout.ring")], consumer.stderr()[-2000:]
         assert f"lookalike-{kind}" not in [run["run_id"] for run in open_store(consumer.out).metadata()["runs"]]
     finally:
         if path.is_dir() and not path.is_symlink():
@@ -892,7 +862,7 @@ def test_consumer_rejects_a_layout_naming_a_ring_lookalike(
 
 
 def test_consumer_survives_a_layout_with_a_forged_cuda_handle(
-    fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LiveConsumer]
+    fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     fake = fake_producer
     consumer = live_consumer(endpoint)
@@ -903,7 +873,7 @@ def test_consumer_survives_a_layout_with_a_forged_cuda_handle(
 
 
 def test_consumer_stops_cleanly_on_sigterm_after_hostile_garbage(
-    fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LiveConsumer]
+    fake_producer: FakeProducer, endpoint: str, live_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     """Garbage before any layout is rejected too, and a consumer never attached still finishes on SIGTERM."""
     fake = fake_producer
@@ -917,9 +887,9 @@ def test_consumer_stops_cleanly_on_sigterm_after_hostile_garbage(
         fake.send(data)
     fake.send(EndOfStream(v=V, run_id=""))  # no run yet: not ours
     deadline = time.monotonic() + 10
-    while len(consumer.rejections()) < 50 and time.monotonic() < deadline:
+    while len(announce_rejections(consumer)) < 50 and time.monotonic() < deadline:
         time.sleep(0.05)
     consumer.process.send_signal(signal.SIGTERM)
     assert consumer.process.wait(15) == 0
-    assert len(consumer.rejections()) == 50 and consumer.stats()["messages_rejected"] == 50
-    assert consumer.stats()["runs"] == 0
+    assert len(announce_rejections(consumer)) == 50 and done_stats(consumer)["messages_rejected"] == 50
+    assert done_stats(consumer)["runs"] == 0

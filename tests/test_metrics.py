@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import re
-import signal
 import socket
-import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from hscapture import open_store
-from hscapture.consumer import consume_command
 from hscapture.consumer.metrics import DropTally
-from tests.conftest import wait_attached
+from tests.conftest import LoggedConsumer, wait_attached
 from tests.workload import Workload, make_config, make_producer
 
 #: One sample line of the text exposition format 0.0.4 as we write it: a name without labels, a number.
@@ -28,39 +25,6 @@ STATS_LINE = re.compile(
     r"(ring \d+/\d+ slots in use|no producer attached) \| [\d,]+ requests finished"
     r"( \| capture failed in the producer: .+)?$"
 )
-
-
-class ConsumerProcess:
-    """``hscapture consume`` with its stderr read line by line on a thread."""
-
-    def __init__(self, *args: str) -> None:
-        self.process = subprocess.Popen(consume_command(*args), stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for_line(self, pattern: str, timeout_s: float = 60) -> re.Match[str]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if match := re.search(pattern, line):
-                    return match
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r} in:\n" + "\n".join(self.lines))
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-        code = self.process.wait(60)
-        self._reader.join(10)
-        return code
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -88,12 +52,12 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
-def test_metrics_endpoint_and_stats_lines_during_a_real_run(tmp_path: Path, endpoint: str) -> None:
+def test_metrics_endpoint_and_stats_lines_during_a_real_run(
+    tmp_path: Path, endpoint: str, logged_consumer: Callable[..., LoggedConsumer]
+) -> None:
     out = tmp_path / "store"
-    consumer = ConsumerProcess(
-        endpoint,
-        out,
-        *("--heartbeat-ms", "50", "--delay-ms", "10", "--flush-s", "1", "--stats-s", "0.5", "--metrics-port", "0"),
+    consumer = logged_consumer(
+        endpoint, *("--delay-ms", "10", "--flush-s", "1", "--stats-s", "0.5", "--metrics-port", "0"), out=out
     )
     try:
         url = consumer.wait_for_line(r"metrics at (http://\S+/metrics)").group(1)
@@ -121,7 +85,7 @@ def test_metrics_endpoint_and_stats_lines_during_a_real_run(tmp_path: Path, endp
             urllib.request.urlopen(url.replace("/metrics", "/other"), timeout=10)
     finally:
         code = consumer.stop()
-    assert code == 0, "\n".join(consumer.lines)
+    assert code == 0, "\n".join(consumer.lines())
     assert counters.rows_dropped > 0, "the consumer was not slow enough to force drops"
     # At the end: what the producer counted, what the store holds.
     summary = open_store(out).summary()
@@ -143,23 +107,21 @@ def test_metrics_endpoint_and_stats_lines_during_a_real_run(tmp_path: Path, endp
         assert series == sorted(series), name
     assert all(s["hscapture_snapshot_age_seconds"] < 5 for s in during)
     # The stderr: one stats line per interval, each a single line of the documented shape.
-    stats = [line for line in consumer.lines if line.startswith("hscapture consume: ") and "rows captured" in line]
+    stats = [line for line in consumer.lines() if line.startswith("hscapture consume: ") and "rows captured" in line]
     assert len(stats) >= 4
     assert all(STATS_LINE.match(line) for line in stats), stats
     assert any("slots in use" in line for line in stats) and "no producer attached" in stats[-1]
 
 
 def test_a_capture_failure_in_the_producer_is_logged_shown_counted_stored_and_ends_exit_on_eos(
-    tmp_path: Path, endpoint: str
+    tmp_path: Path, endpoint: str, logged_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     from hscapture.extract import capture_failure
 
     error = "RuntimeError: SGLang's aux states are 384 wide,\nnot 2 layers [2, 3] of hidden size 128"
     flat = "RuntimeError: SGLang's aux states are 384 wide, not 2 layers [2, 3] of hidden size 128"
     # A long-lived consumer (as beside a live server): the failure stays on its stats line and in the metric.
-    live = ConsumerProcess(
-        endpoint, tmp_path / "live", "--heartbeat-ms", "50", "--stats-s", "0.5", "--metrics-port", "0"
-    )
+    live = logged_consumer(endpoint, "--stats-s", "0.5", "--metrics-port", "0", out=tmp_path / "live")
     try:
         url = live.wait_for_line(r"metrics at (http://\S+/metrics)").group(1)
         producer = make_producer(make_config(endpoint))
@@ -175,34 +137,36 @@ def test_a_capture_failure_in_the_producer_is_logged_shown_counted_stored_and_en
         assert line.group(1) == flat and STATS_LINE.match(line.group(0)), line.group(0)
         assert scrape(url)["hscapture_producer_failures_total"] == 1
     finally:
-        assert live.stop() == 0, "\n".join(live.lines)
+        assert live.stop() == 0, "\n".join(live.lines())
     store = open_store(tmp_path / "live")
     assert store.metadata()["runs"][-1]["end"]["reason"] == f"capture failed in the producer: {flat}"
     assert capture_failure(tmp_path / "live") == f"capture failed in the producer: {flat}"
     assert all(store.record(rid)["status"] == "incomplete" for rid in workload.running)  # cut off by the failure
     # With --exit-on-eos (extract, serve) the consumer exits with status 1 after a failed run, 0 after a clean one.
     for failure, expected in (("OSError: ring gone", 1), ("", 0)):
-        once = ConsumerProcess(endpoint, tmp_path / f"once-{expected}", "--heartbeat-ms", "50", "--exit-on-eos")
+        once = logged_consumer(endpoint, "--exit-on-eos", out=tmp_path / f"once-{expected}")
         producer = make_producer(make_config(endpoint))
         wait_attached(producer)
         producer.close(error=failure)
-        assert once.stop() == expected, "\n".join(once.lines)
+        assert once.stop() == expected, "\n".join(once.lines())
 
 
-def test_quiet_prints_no_stats_and_a_taken_port_is_a_clear_error(tmp_path: Path, endpoint: str) -> None:
-    quiet = ConsumerProcess(endpoint, tmp_path / "a", "--quiet", "--stats-s", "0.1", "--metrics-port", "0")
+def test_quiet_prints_no_stats_and_a_taken_port_is_a_clear_error(
+    tmp_path: Path, endpoint: str, logged_consumer: Callable[..., LoggedConsumer]
+) -> None:
+    quiet = logged_consumer(endpoint, "--quiet", "--stats-s", "0.1", "--metrics-port", "0", out=tmp_path / "a")
     quiet.wait_for_line(r"metrics at http://")  # up (and its signal handlers set) however loaded the host is
     time.sleep(2)  # 20 stats intervals: a quiet consumer prints none of them
     assert quiet.stop() == 0
-    assert not [line for line in quiet.lines if "rows captured" in line], quiet.lines
+    assert not [line for line in quiet.lines() if "rows captured" in line], quiet.lines()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        busy = ConsumerProcess(endpoint, tmp_path / "b", "--metrics-port", str(port))
+        busy = logged_consumer(endpoint, "--metrics-port", str(port), out=tmp_path / "b")
         assert busy.process.wait(60) == 2
     busy.stop()
-    assert any(f"--metrics-port: cannot serve on 127.0.0.1:{port}" in line for line in busy.lines), busy.lines
+    assert any(f"--metrics-port: cannot serve on 127.0.0.1:{port}" in line for line in busy.lines()), busy.lines()
 
 
 def test_drop_tally_takes_the_larger_of_the_running_total_and_the_requests() -> None:

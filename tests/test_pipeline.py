@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from hscapture import open_store
-from hscapture.consumer import consume_command
 from hscapture.producer import Producer, announcer
 from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
@@ -55,19 +54,13 @@ def test_discard_drains_and_releases_everything_and_writes_nothing(
 ) -> None:
     """``--discard``: no store, yet every slot is copied out and released (the block producer never stalls)."""
     out = tmp_path / "never"
-    consumer = subprocess.Popen(
-        consume_command(endpoint, None, "--discard", "--exit-on-eos", "--quiet", "--heartbeat-ms", "50")
-    )
-    try:
-        producer = make_producer(make_config(endpoint, policy="block", device=device))
-        workload = Workload(seed=5, device=device)
-        for _ in range(60):  # many times the ring: only releases let it go on
-            workload.step(producer)
-        counters = producer.close()
-        assert consumer.wait(30) == 0
-    finally:
-        if consumer.poll() is None:
-            consumer.kill()
+    consumer = start_consumer(None, endpoint, "--discard", "--exit-on-eos")
+    producer = make_producer(make_config(endpoint, policy="block", device=device))
+    workload = Workload(seed=5, device=device)
+    for _ in range(60):  # many times the ring: only releases let it go on
+        workload.step(producer)
+    counters = producer.close()
+    assert consumer.wait(30) == 0
     assert counters.rows_dropped == 0 and counters.rows_captured == workload.total_rows > 0
     assert counters.chunks_announced > 2 and not out.exists()
 

@@ -236,5 +236,6 @@ def test_full_disk_under_drop_never_touches_serving(
     serve(producer, workload, 0.5, stalls)  # serving goes on without a consumer
     counters = producer.close(timeout_s=1.0)
     assert counters.rows_dropped > 0 and counters.rows_captured + counters.rows_dropped == workload.total_rows
-    assert max(stalls) < 1.0
+    assert counters.credit_waits == 0 and counters.credit_wait_us == 0, counters  # drop never waited for the disk
+    assert max(stalls) < 10.0  # no step hung (a bound far above a loaded host's scheduling noise)
     check_store(small_disk / "store", [workload])  # what reached the index is intact

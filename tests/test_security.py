@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,61 +24,16 @@ import torch
 import zmq
 
 from hscapture import open_store, protocol
-from hscapture.consumer import consume_command
 from hscapture.errors import AccessError
 from hscapture.keys import PUBLIC, ensure_keys
 from hscapture.producer import Producer
 from hscapture.protocol import PROTOCOL_VERSION, Hello
 from hscapture.ring import SHM_DIR, reclaim_host_rings
 from hscapture.transport import announce_endpoint, release_endpoint, token_path
-from tests.conftest import ConsumerFactory, OtherUser, cli_refusal, run_cli, wait_attached
+from tests.conftest import ConsumerFactory, LoggedConsumer, OtherUser, cli_refusal, run_cli, wait_attached
 from tests.workload import Workload, make_config, make_producer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class ConsumerRun:
-    """``hscapture consume`` in its own process, its stderr kept in a file; killed at teardown."""
-
-    def __init__(self, out: Path, endpoint: str, log: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.log = log
-        with log.open("wb") as stderr:
-            command = consume_command(endpoint, out, "--heartbeat-ms", "50", *extra)
-            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
-
-    def stderr(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_exit(
-        self, timeout_s: float, producer: Producer | None = None, step: Callable[[], object] | None = None
-    ) -> int:
-        """Its exit status, serving ``producer`` (or running ``step``) meanwhile; fails after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while self.process.poll() is None:
-            assert time.monotonic() < deadline, f"still running after {timeout_s} s:\n{self.stderr()[-2000:]}"
-            if step is not None:
-                step()
-            elif producer is not None:
-                producer.poll()
-            time.sleep(0.02)
-        return self.process.returncode
-
-
-@pytest.fixture
-def consumer_run(tmp_path: Path) -> Iterator[Callable[..., ConsumerRun]]:
-    started: list[ConsumerRun] = []
-
-    def start(endpoint: str, *extra: str, env: dict[str, str] | None = None) -> ConsumerRun:
-        n = len(started)
-        run = ConsumerRun(tmp_path / f"store-{n}", endpoint, tmp_path / f"consumer-{n}.log", *extra, env=env)
-        started.append(run)
-        return run
-
-    yield start
-    for run in started:
-        if run.process.poll() is None:
-            run.process.kill()
-            run.process.wait()
 
 
 def check_finished_complete(out: Path, workload: Workload) -> None:
@@ -108,7 +63,7 @@ def tcp_producer(policy: str = "block", keys: Path | None = None) -> Producer:
 
 
 def test_a_socket_directory_another_user_made_first_is_refused_and_nothing_is_written_through_its_links(
-    tmp_path: Path, other_user: OtherUser, consumer_run: Callable[..., ConsumerRun]
+    tmp_path: Path, other_user: OtherUser, logged_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     """Issue 12.1: another user makes our socket directory first (0777) with links where the token is written."""
     directory = Path(f"/tmp/hsc-sec-{uuid.uuid4().hex[:10]}")
@@ -124,7 +79,7 @@ def test_a_socket_directory_another_user_made_first_is_refused_and_nothing_is_wr
     try:
         with pytest.raises(AccessError, match=refusal):
             make_producer(make_config(endpoint))
-        consumer = consumer_run(endpoint, "--exit-on-eos")
+        consumer = logged_consumer(endpoint, "--exit-on-eos")
         assert consumer.wait_exit(60) == 1 and refusal in consumer.stderr()
         assert victim.read_text() == "precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
         assert sorted(os.listdir(directory)) == ["default-token", "default-token.tmp"]  # nothing of ours in there
@@ -176,7 +131,11 @@ def test_the_token_is_written_afresh_never_through_a_planted_link(endpoint: str,
 
 @pytest.mark.parametrize("kind", ["a link", "readable by others", "another user's"])
 def test_a_consumer_refuses_a_token_file_it_cannot_trust(
-    kind: str, endpoint: str, tmp_path: Path, consumer_run: Callable[..., ConsumerRun], request: pytest.FixtureRequest
+    kind: str,
+    endpoint: str,
+    tmp_path: Path,
+    logged_consumer: Callable[..., LoggedConsumer],
+    request: pytest.FixtureRequest,
 ) -> None:
     directory = Path(endpoint[len("ipc://") :]).parent
     directory.mkdir(mode=0o700)
@@ -194,7 +153,7 @@ def test_a_consumer_refuses_a_token_file_it_cannot_trust(
             other: OtherUser = request.getfixturevalue("other_user")
             os.chown(token, other.uid, other.gid)
             expected = f"token file {token} belongs to uid {other.uid}"
-    consumer = consumer_run(endpoint, "--exit-on-eos")
+    consumer = logged_consumer(endpoint, "--exit-on-eos")
     assert consumer.wait_exit(60) == 1
     assert expected in consumer.stderr(), consumer.stderr()[-2000:]
 
@@ -246,13 +205,13 @@ def test_tcp_strays_without_an_admitted_key_receive_nothing_and_the_consumer_kee
 
 
 def test_consume_on_tcp_without_keys_fails_at_once_with_a_clear_message(
-    tmp_path: Path, consumer_run: Callable[..., ConsumerRun]
+    tmp_path: Path, logged_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     """Issue 12.11: `consume` on tcp:// without credentials waited forever saying only 'no producer attached'."""
     keys = tmp_path / "no-keys-here"
     producer = tcp_producer()
     try:
-        consumer = consumer_run(producer.config.endpoint, "--keys", str(keys))
+        consumer = logged_consumer(producer.config.endpoint, "--keys", str(keys))
         assert consumer.wait_exit(60, producer) == 1
         message = consumer.stderr()
         assert f"no CURVE keys: {keys} does not exist" in message and "hscapture keys" in message, message
@@ -262,7 +221,7 @@ def test_consume_on_tcp_without_keys_fails_at_once_with_a_clear_message(
 
 
 def test_a_consumer_of_another_key_is_told_its_key_is_refused_until_the_producer_admits_it(
-    tmp_path: Path, consumer_run: Callable[..., ConsumerRun]
+    tmp_path: Path, logged_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     """The UX across users or hosts: `hscapture keys` on each side, the producer's id.key copied, --allow."""
     producer_keys, consumer_keys = tmp_path / "producer-keys", tmp_path / "consumer-keys"
@@ -275,18 +234,18 @@ def test_a_consumer_of_another_key_is_told_its_key_is_refused_until_the_producer
         copy = tmp_path / "producer-id.key"  # what the producer's user hands over
         shutil.copy(producer_keys / PUBLIC, copy)
         options = ("--keys", str(consumer_keys), "--producer-key", str(copy), "--exit-on-eos")
-        refused = consumer_run(endpoint, *options)
+        refused = logged_consumer(endpoint, *options)
         assert refused.wait_exit(60, producer) == 1
         assert "refused this consumer's key" in refused.stderr() and "--allow" in refused.stderr()
 
-        wrong = consumer_run(endpoint, "--keys", str(consumer_keys), "--producer-key", str(consumer_keys / PUBLIC))
+        wrong = logged_consumer(endpoint, "--keys", str(consumer_keys), "--producer-key", str(consumer_keys / PUBLIC))
         assert wrong.wait_exit(60, producer) == 1
         assert "CURVE handshake" in wrong.stderr() and "--producer-key" in wrong.stderr(), wrong.stderr()[-2000:]
         assert not producer.attached
 
         allowed = run_cli("keys", "--keys", producer_keys, "--allow", consumer_keys / PUBLIC)
         assert allowed.returncode == 0, allowed.stderr
-        admitted = consumer_run(endpoint, *options)  # the running producer reads allowed/ again
+        admitted = logged_consumer(endpoint, *options)  # the running producer reads allowed/ again
         wait_attached(producer)
         workload = Workload(seed=62)
         for _ in range(20):
@@ -470,7 +429,7 @@ def test_a_killed_extraction_leaves_nothing_once_the_next_ran_and_a_clean_one_le
 
 
 def test_a_second_consumer_is_refused_and_the_first_keeps_every_row(
-    endpoint: str, tmp_path: Path, start_consumer: ConsumerFactory, consumer_run: Callable[..., ConsumerRun]
+    endpoint: str, tmp_path: Path, start_consumer: ConsumerFactory, logged_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     """Issue 12.9: both were accepted, the producer alternated between them, both stores ended incomplete."""
     out = tmp_path / "first"
@@ -478,7 +437,7 @@ def test_a_second_consumer_is_refused_and_the_first_keeps_every_row(
     producer = make_producer(make_config(endpoint, policy="block"))
     wait_attached(producer)
     workload = Workload(seed=91)
-    second = consumer_run(endpoint, "--exit-on-eos")
+    second = logged_consumer(endpoint, "--exit-on-eos")
     assert second.wait_exit(60, step=lambda: workload.step(producer)) == 1
     assert "refused this consumer" in second.stderr() and "is attached to" in second.stderr()
     for _ in range(20):
@@ -491,18 +450,18 @@ def test_a_second_consumer_is_refused_and_the_first_keeps_every_row(
 
 
 def test_a_consumer_silent_past_the_takeover_time_is_replaced_and_then_refused(
-    endpoint: str, consumer_run: Callable[..., ConsumerRun]
+    endpoint: str, logged_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     """What a consumer on another host that died looks like: no pid to watch, only its silence."""
     producer = make_producer(make_config(endpoint, policy="block"))
-    first = consumer_run(endpoint)
+    first = logged_consumer(endpoint)
     wait_attached(producer)
     workload = Workload(seed=92)
     for _ in range(10):
         workload.step(producer)
     first.process.send_signal(signal.SIGSTOP)  # alive (its pid stays), but silent
     try:
-        second = consumer_run(endpoint, "--exit-on-eos")
+        second = logged_consumer(endpoint, "--exit-on-eos")
         deadline = time.monotonic() + 60
         while producer.counters.attaches < 2:  # blocks for credit, serving hellos, until the second takes over
             assert time.monotonic() < deadline and second.process.poll() is None, second.stderr()[-2000:]
@@ -513,6 +472,6 @@ def test_a_consumer_silent_past_the_takeover_time_is_replaced_and_then_refused(
     assert "refused this consumer" in first.stderr()
     counters = producer.close()
     assert second.wait_exit(30) == 0 and counters.rows_dropped == 0
-    store = open_store(second.log.parent / "store-1")
+    store = open_store(second.out)
     late = [rid for rid in workload.finished if rid in store and store.record(rid)["status"] == "complete"]
     assert late, "the consumer that took over stored no complete request"

@@ -33,7 +33,7 @@ from hscapture.integrations.sglang import ENV, PluginSettings, load_plugin
 from hscapture.integrations.sglang_models import GEMMA3_MLP_BRANCH, LaunchPlan, launch_plan
 from hscapture.store.reader import Store, open_store
 from hscapture.store.verify import verify_store
-from tests.conftest import cli_refusal, short_endpoint
+from tests.conftest import ConsumerFactory, LoggedConsumer, cli_refusal, short_endpoint
 from tests.sglang_driver import POOL_ARGS, returned_rows
 
 pytest.importorskip("sglang", reason="SGLang is not installed (pip install -e '.[sglang]')")
@@ -103,10 +103,10 @@ def run_engine(model: Path, tmp: Path, name: str, *options: str, env: dict[str, 
 
 
 def test_store_equals_what_sglang_returns_and_capture_changes_nothing(
-    model: Path, tmp_path: Path, endpoint: str
+    model: Path, tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:
     store_dir = tmp_path / "store"
-    consumer = subprocess.Popen(consume_command(endpoint, store_dir, "--exit-on-eos", "--quiet"))
+    consumer = start_consumer(store_dir, endpoint, "--exit-on-eos")
     captured = run_engine(model, tmp_path, "captured", "--capture", endpoint)
     assert consumer.wait(60) == 0
     # Plain SGLang, the plugin not even loaded (switched off, it registers nothing: the test above).
@@ -152,13 +152,13 @@ SECOND_ROUND = [
 
 
 def test_radix_cache_on_every_request_is_complete_and_shared_rows_are_the_donors(
-    tiny: Callable[[str], Path], tmp_path: Path, endpoint: str
+    tiny: Callable[[str], Path], tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:
     model = tiny("llama")
     then = tmp_path / "then.json"
     then.write_text(json.dumps(SECOND_ROUND))
     store_dir = tmp_path / "store"
-    consumer = subprocess.Popen(consume_command(endpoint, store_dir, "--exit-on-eos", "--quiet"))
+    consumer = start_consumer(store_dir, endpoint, "--exit-on-eos")
     (tmp_path / "first.json").write_text(json.dumps(FIRST_ROUND))
     command = [
         sys.executable,
@@ -340,15 +340,11 @@ def test_sglang_refuses_to_start_when_its_capture_cannot_be_described(
 
 
 def test_a_capture_failure_while_serving_is_loud_and_serving_goes_on(
-    tiny: Callable[[str], Path], tmp_path: Path, endpoint: str
+    tiny: Callable[[str], Path], tmp_path: Path, endpoint: str, logged_consumer: Callable[..., LoggedConsumer]
 ) -> None:
     """A real failure inside SGLang: a consumer 3 s per chunk behind a 2-slot ring, under block_timeout_s 0.5."""
     store_dir = tmp_path / "store"
-    consumer = subprocess.Popen(
-        consume_command(endpoint, store_dir, "--exit-on-eos", "--quiet", "--delay-ms", "3000"),
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    consumer = logged_consumer(endpoint, "--exit-on-eos", "--quiet", "--delay-ms", "3000", out=store_dir)
     settings = {"slot_bytes": 8 << 20, "ring_bytes": 16 << 20, "block_timeout_s": 0.5}
     command, out = driver_command(tiny("llama"), tmp_path, "failed", "--capture", endpoint)
     done = subprocess.run(
@@ -357,9 +353,8 @@ def test_a_capture_failure_while_serving_is_loud_and_serving_goes_on(
     assert done.returncode == 0, done.stderr[-3000:]  # serving went on
     assert [len(r["output_ids"]) for r in json.loads(out.read_text())] == [8] * len(PROMPTS)
     assert "hscapture: capture failed, serving goes on without it: CreditTimeout: waited" in done.stderr
-    _, consumer_err = consumer.communicate(timeout=120)
-    assert consumer.returncode == 1, consumer_err
-    assert "capture failed in the producer: CreditTimeout: waited" in consumer_err
+    assert consumer.wait_exit(120) == 1, consumer.stderr()
+    assert "capture failed in the producer: CreditTimeout: waited" in consumer.stderr()
     reason = open_store(store_dir).metadata()["runs"][-1]["end"]["reason"]
     assert reason.startswith("capture failed in the producer: CreditTimeout: waited"), reason
 

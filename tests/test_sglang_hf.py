@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hscapture.consumer import consume_command
 from hscapture.integrations.sglang import ENV
 from hscapture.store.reader import open_store
+from tests.conftest import ConsumerFactory
 
 pytest.importorskip("sglang", reason="SGLang is not installed (pip install -e '.[sglang]')")
 pytestmark = pytest.mark.slow
@@ -77,11 +77,11 @@ def _relative_l2(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def test_deepseek_store_agrees_with_hf_when_sglang_prefills_by_absorbed_mla(
-    deepseek: Path, hf_states: Callable, tmp_path: Path, endpoint: str
+    deepseek: Path, hf_states: Callable, tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:
     """Everything but torch_native's MHA prefill (config, MoE, rope, norms, weights, capture) matches HF."""
     store_dir = tmp_path / "store"
-    consumer = subprocess.Popen(consume_command(endpoint, store_dir, "--exit-on-eos", "--quiet"))
+    consumer = start_consumer(store_dir, endpoint, "--exit-on-eos")
     results = _sglang(deepseek, tmp_path, "--capture", endpoint, "--absorbed-mla")
     assert consumer.wait(60) == 0
     store = open_store(store_dir)
