@@ -537,7 +537,8 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
             device="cpu" if torch.device(runner.device).type == "cpu" else f"cuda:{torch.cuda.current_device()}",
         )
         descriptions = arch.describe(self.layers, num_layers, self.settings.capture_last)
-        capture = self._open(arch.name, descriptions, loaded)
+        parallel = {"tensor_parallel_size": int(config.parallel_config.tensor_parallel_size)}
+        capture = self._open(arch.name, descriptions, loaded, parallel)
         log.info("hscapture: capturing layers %s (+last=%s) to %s", self.layers, capture.capture_last, capture.endpoint)
         wait_s = self.settings.attach_wait_s
         if wait_s and not self.producer.wait_attached(wait_s):
