@@ -292,9 +292,10 @@ def check_options(options: ExtractOptions) -> Path:
     if options.engine == "vllm" and not Positions.parse(options.positions).everything:
         raise ValueError(f"--positions {options.positions}: --engine vllm captures every position, so far")
     if options.engine == "vllm":
-        from hscapture.integrations.vllm_offline import import_vllm
+        from hscapture.integrations.vllm_offline import check_engine_args, import_vllm
 
         import_vllm()  # not installed: said now, before the store or the consumer
+        check_engine_args(options.sglang_args)
     check_batching(options.max_batch_tokens, options.max_batch_size, options.pad_to_multiple, as_flags=True)
     if options.engine == "hf" and options.sglang_args:
         raise ValueError(f"{' '.join(options.sglang_args)}: arguments after -- are SGLang's; they need --engine sglang")

@@ -4,7 +4,7 @@ The server runs unchanged (SGLang's ``python -m sglang.launch_server``, or ``vll
 plus what makes it keep the EAGLE-3 states; the hscapture plugin in its processes publishes them (``drop`` policy by
 default: serving never waits). What is engine-specific (the command, its flags, the plugin's settings, what is
 refused) is each integration's ``server_launch``; the rest is here. One consumer per stream writes the store: one
-stream, or one per SGLang attention-DP group (``DIR/dp<rank>``).
+stream, or one per SGLang attention-DP group or vLLM DP rank (``DIR/dp<rank>``).
 
 Ctrl-C (or SIGTERM, SIGHUP) stops the server the graceful way each engine has: SIGTERM to it; it finishes the
 requests it serves (vLLM for its ``--shutdown-timeout`` at most, which the launch sets), then the plugin ends its
@@ -45,7 +45,7 @@ ENGINES = ("sglang", "vllm")
 class ServeOptions:
     """What ``hscapture serve`` does; every field is the command-line flag of the same name."""
 
-    #: Store directory (appended to if it exists; one per attention-DP group below it with DP).
+    #: Store directory (appended to if it exists; one per DP group or rank below it with DP).
     out: Path
     #: The engine whose OpenAI-compatible server runs: ``sglang`` (``python -m sglang.launch_server ARGS``) or
     #: ``vllm`` (``vllm serve ARGS``).

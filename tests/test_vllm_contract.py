@@ -153,3 +153,27 @@ def test_the_server_launch_is_what_vllm_serves_parser_reads(tiny_model: Path) ->
     assert args.shutdown_timeout == SHUTDOWN_TIMEOUT_S > 0
     assert args.additional_config == {"kv": 1, "hscapture": {"layers": [2, 4, 5], "last": True}}
     assert PluginSettings.from_env(launch.env[ENV]).attach_wait_s > 0
+    launch = server_launch([str(tiny_model), "-dp", "2"], capture)
+    assert launch.streams == PluginSettings.from_env(launch.env[ENV]).data_parallel_size == 2
+    assert make_arg_parser(FlexibleArgumentParser()).parse_args(launch.command[3:]).data_parallel_size == 2
+
+
+def test_what_a_data_parallel_rank_knows_of_itself() -> None:
+    """A dense model's DP rank runs as an engine of DP=1 (its rank reset to 0): the plugin names its stream by
+    ``data_parallel_index``, which EngineCore sets to the rank before the reset, and takes the size from the launch.
+    The options ``serve`` refuses as splitting the ranks are vLLM's own."""
+    from vllm.config import ParallelConfig
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine import core
+
+    from hscapture.integrations.vllm import _DP_SPLIT
+
+    source = inspect.getsource(core.EngineCoreProc.run_engine_core)
+    assert source.index("parallel_config.data_parallel_index = dp_rank") < source.index(
+        "parallel_config.reconfigure_for_independent_dp_rank()"
+    )
+    reset = inspect.getsource(ParallelConfig.reconfigure_for_independent_dp_rank)
+    assert "self.data_parallel_size = 1" in reset and "data_parallel_index" not in reset
+    known = make_arg_parser(FlexibleArgumentParser())._option_string_actions  # what the launched server reads
+    assert set(_DP_SPLIT) <= set(known), set(_DP_SPLIT) - set(known)

