@@ -568,9 +568,9 @@ def run_stores(out: Path, part: Part | None) -> list[Path]:
 
 
 def job_environments(options: ExtractOptions, jobs: int) -> list[dict[str, str]]:
-    """Each job's GPUs, as ``CUDA_VISIBLE_DEVICES``: one GPU per job for ``hf``; for ``sglang`` an equal
-    share of the visible GPUs (for SGLang's own ``--tp-size``). CPU jobs: an equal share of the cores
-    (``OMP_NUM_THREADS``, unless set already): jobs whose torch threads outnumber the cores run several
+    """Each job's GPUs, as ``CUDA_VISIBLE_DEVICES``: one GPU per job for ``hf``; for ``sglang`` and ``vllm`` an
+    equal share of the visible GPUs (for the engine's own tensor parallelism). CPU jobs: an equal share of the
+    cores (``OMP_NUM_THREADS``, unless set already): jobs whose torch threads outnumber the cores run several
     times slower than their share, as they spin waiting for each other.
 
     Raises:
@@ -592,7 +592,7 @@ def job_environments(options: ExtractOptions, jobs: int) -> list[dict[str, str]]
         raise ValueError(
             f"--data-parallel {jobs}: {len(gpus)} GPUs visible; give at most {len(gpus)} (one job per GPU)"
         )
-    share = len(gpus) // jobs if options.engine == "sglang" else 1
+    share = len(gpus) // jobs if options.engine in ("sglang", "vllm") else 1
     return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * share : (i + 1) * share])} for i in range(jobs)]
 
 
