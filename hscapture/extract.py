@@ -272,13 +272,7 @@ def check_options(options: ExtractOptions) -> Path:
     """
     if options.layers is not None and not layer_spec(options.layers) and not options.capture_last:
         raise ValueError("--layers: nothing to capture (no layer ids and --no-last); give layer ids or drop --no-last")
-    positions = Positions.parse(options.positions)
-    if options.engine == "sglang" and options.mode == "regenerate" and positions.kind == "last":
-        raise ValueError(
-            "--positions last with --mode regenerate: a generated answer's last token is known only once generation "
-            "ends, after its row left the engine; use --positions loss (the answer), or --mode teacher on samples "
-            "that hold the answers"
-        )
+    Positions.parse(options.positions).check_mode(options.mode)
     if options.limit is not None and options.limit < 1:
         raise ValueError(f"--limit: {options.limit}; give how many records of the data to capture (at least 1)")
     if options.max_length is not None and options.max_length < 1:
