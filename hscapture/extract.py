@@ -283,8 +283,6 @@ def check_options(options: ExtractOptions) -> Path:
         raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
     if options.engine == "hf" and options.mode != "teacher":
         raise ValueError("--mode regenerate needs --engine sglang or vllm (the HF engine runs teacher forcing only)")
-    if options.engine == "vllm" and not Positions.parse(options.positions).everything:
-        raise ValueError(f"--positions {options.positions}: --engine vllm captures every position, so far")
     if options.engine == "vllm":
         from hscapture.integrations.vllm_offline import import_vllm
 
@@ -335,6 +333,7 @@ def open_engine(options: ExtractOptions) -> OfflineEngine:
         return VLLMExtraction(
             options.model, options.layers, options.capture_last, options.dtype, options.device, options.mode,
             options.max_batch_size, options.max_new_tokens, options.temperature, options.sglang_args,
+            positions=options.positions,
         )  # fmt: skip
     if options.engine == "sglang":
         from hscapture.integrations.sglang_offline import SGLangExtraction
