@@ -92,7 +92,7 @@ def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path: Path) -> None
 def test_requests_whose_rows_the_store_lacks_get_a_prefix_cache_namespace_of_their_own() -> None:
     """In EngineCore, before vLLM hashes a request's blocks: one not sampled (by its store key's hash, as the worker
     decides) is salted, one kept at some positions is salted and reads no cache, a captured whole one is left as it
-    came, and a bad selection is refused (vLLM answers that request with the error)."""
+    came, and a bad selection or loss mask is refused (vLLM answers that request with the error)."""
     from hscapture.integrations.vllm import POSITIONS_ARG, SELECTED_SALT, UNSAMPLED_SALT, VLLMCapture
     from hscapture.selection import sampled
 
@@ -115,8 +115,11 @@ def test_requests_whose_rows_the_store_lacks_get_a_prefix_cache_namespace_of_the
     assert (chosen.cache_salt, chosen.sampling_params.skip_reading_prefix_cache) == (SELECTED_SALT, True)
     whole = admitted(next(iter(taken)), **{POSITIONS_ARG: "all"})
     assert (whole.cache_salt, whole.sampling_params.skip_reading_prefix_cache) == (None, None)
+    left_out = next(i for i in ids if i not in taken)  # checked all the same: the worker reads it too
     with pytest.raises(ValueError, match=r"hscapture_positions: 'every:0' is not a position selection; give all"):
-        admitted(next(iter(taken)), **{POSITIONS_ARG: "every:0"})
+        admitted(left_out, **{POSITIONS_ARG: "every:0"})
+    with pytest.raises(ValueError, match=r"hscapture_loss_mask: \[3\] is not a loss mask; give \[\[start, end\]"):
+        admitted(left_out, hscapture_loss_mask=[3])  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: serve --engine vllm refuses that first")

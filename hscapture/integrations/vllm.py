@@ -370,6 +370,23 @@ def request_selection(params: Any) -> Positions | None:
     return None if selection is None or selection.everything else selection
 
 
+def request_loss_mask(params: Any) -> list[tuple[int, int]] | None:
+    """The loss mask a request was sent with (:data:`LOSS_MASK_ARG`), as half-open ranges; None: it has none.
+
+    Raises:
+        ValueError: not a list of ``[start, end]`` pairs of integers.
+    """
+    extra = getattr(params, "extra_args", None) or {}
+    if LOSS_MASK_ARG not in extra:
+        return None
+    try:
+        return [(int(start), int(end)) for start, end in extra[LOSS_MASK_ARG]]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{LOSS_MASK_ARG}: {extra[LOSS_MASK_ARG]!r} is not a loss mask; give [[start, end], ...] positions"
+        ) from None
+
+
 def store_key(req_id: str, params: Any) -> str:
     """The store key of a request: ``extra_args[hscapture_id]``, else its external id (vLLM appends ``-`` and 8
     random characters to what the client sent, unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``)."""
@@ -449,15 +466,17 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
         """In EngineCore, before vLLM hashes a new request's blocks: a request whose rows the store will not hold
         whole (not sampled, or kept at some positions) gets a prefix-cache namespace of its own
         (:data:`UNSAMPLED_SALT`, :data:`SELECTED_SALT`), and one kept at some positions never reads the cache (its
-        prefix would be taken by reference from a donor holding other positions). A bad :data:`POSITIONS_ARG`
-        raises here: vLLM answers that request with the error, and capture goes on."""
+        prefix would be taken by reference from a donor holding other positions). A bad :data:`POSITIONS_ARG` or
+        :data:`LOSS_MASK_ARG` raises here: vLLM answers that request with the error, and capture goes on."""
         params = request.sampling_params
         if params is None:
             return
+        selection = request_selection(params)  # what the worker reads of a request, checked before it does
+        request_loss_mask(params)
         salt = None
         if not sampled(store_key(request.request_id, params), self.settings.sample_rate):
             salt = UNSAMPLED_SALT
-        elif request_selection(params) is not None:
+        elif selection is not None:
             salt = SELECTED_SALT
             params.skip_reading_prefix_cache = True
         if salt is not None:
@@ -538,13 +557,12 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
 
     def _add(self, runner: Any, new: Any) -> None:
         params = new.sampling_params
-        extra = getattr(params, "extra_args", None) or {}
         prompt = list(new.prompt_token_ids or [])
         key = store_key(new.req_id, params)
         self.requests[new.req_id] = _Request(
             key=key,
             prompt_len=len(prompt),
-            loss_mask=[(int(a), int(b)) for a, b in extra[LOSS_MASK_ARG]] if LOSS_MASK_ARG in extra else None,
+            loss_mask=request_loss_mask(params),
             cached=int(new.num_computed_tokens),
             prompt=prompt,
             stop_strings=bool(params.stop),
