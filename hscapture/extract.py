@@ -272,13 +272,7 @@ def check_options(options: ExtractOptions) -> Path:
     """
     if options.layers is not None and not layer_spec(options.layers) and not options.capture_last:
         raise ValueError("--layers: nothing to capture (no layer ids and --no-last); give layer ids or drop --no-last")
-    positions = Positions.parse(options.positions)
-    if options.engine == "sglang" and options.mode == "regenerate" and positions.kind == "last":
-        raise ValueError(
-            "--positions last with --mode regenerate: a generated answer's last token is known only once generation "
-            "ends, after its row left the engine; use --positions loss (the answer), or --mode teacher on samples "
-            "that hold the answers"
-        )
+    Positions.parse(options.positions).check_mode(options.mode)
     if options.limit is not None and options.limit < 1:
         raise ValueError(f"--limit: {options.limit}; give how many records of the data to capture (at least 1)")
     if options.max_length is not None and options.max_length < 1:
@@ -289,8 +283,6 @@ def check_options(options: ExtractOptions) -> Path:
         raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
     if options.engine == "hf" and options.mode != "teacher":
         raise ValueError("--mode regenerate needs --engine sglang or vllm (the HF engine runs teacher forcing only)")
-    if options.engine == "vllm" and not Positions.parse(options.positions).everything:
-        raise ValueError(f"--positions {options.positions}: --engine vllm captures every position, so far")
     if options.engine == "vllm":
         from hscapture.integrations.vllm_offline import check_engine_args, import_vllm
 
@@ -342,6 +334,7 @@ def open_engine(options: ExtractOptions) -> OfflineEngine:
         return VLLMExtraction(
             options.model, options.layers, options.capture_last, options.dtype, options.device, options.mode,
             options.max_batch_size, options.max_new_tokens, options.temperature, options.sglang_args,
+            positions=options.positions,
         )  # fmt: skip
     if options.engine == "sglang":
         from hscapture.integrations.sglang_offline import SGLangExtraction

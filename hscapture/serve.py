@@ -53,8 +53,8 @@ class ServeOptions:
     #: Layer ids and ranges, k = the residual stream entering decoder layer k: 2,16,29 or 1-31:2, or all (every
     #: layer this architecture's capture reaches, from 1); default the engine's EAGLE-3 layers.
     layers: str | tuple[int, ...] | None = field(default=None, metadata=flag(parse=layer_spec))
-    #: Capture this share of the requests (0 < rate <= 1), chosen by a hash of the request id, so a rerun with the
-    #: same ids picks the same ones; the others cost the engine only the check (default: every request). SGLang only.
+    #: Capture this share of the requests (0 < rate <= 1), chosen by a hash of the request id (vLLM: its store key), so
+    #: a rerun with the same ids picks the same ones; the others leave no rows (default: every request).
     sample_rate: float | None = None
     #: Also capture the post-norm final hidden state (what the LM head reads).
     capture_last: bool = field(default=True, metadata=flag(name="--last"))

@@ -191,6 +191,10 @@ class EngineSettings:
     block_timeout_s: float = 120.0
     #: Facts stored with the run (model path, launcher, ...).
     meta: dict[str, Any] = field(default_factory=dict)
+    #: The share of requests captured, chosen by a hash of the request's store key
+    #: (:func:`~hscapture.selection.sampled`); None: every request. The others leave no rows and no record, and get a
+    #: prefix-cache namespace of their own: a captured request never takes a prefix whose rows were never stored.
+    sample_rate: float | None = None
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
