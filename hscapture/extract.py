@@ -272,13 +272,7 @@ def check_options(options: ExtractOptions) -> Path:
     """
     if options.layers is not None and not layer_spec(options.layers) and not options.capture_last:
         raise ValueError("--layers: nothing to capture (no layer ids and --no-last); give layer ids or drop --no-last")
-    positions = Positions.parse(options.positions)
-    if options.engine == "sglang" and options.mode == "regenerate" and positions.kind == "last":
-        raise ValueError(
-            "--positions last with --mode regenerate: a generated answer's last token is known only once generation "
-            "ends, after its row left the engine; use --positions loss (the answer), or --mode teacher on samples "
-            "that hold the answers"
-        )
+    Positions.parse(options.positions).check_mode(options.mode)
     if options.limit is not None and options.limit < 1:
         raise ValueError(f"--limit: {options.limit}; give how many records of the data to capture (at least 1)")
     if options.max_length is not None and options.max_length < 1:
@@ -289,12 +283,11 @@ def check_options(options: ExtractOptions) -> Path:
         raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
     if options.engine == "hf" and options.mode != "teacher":
         raise ValueError("--mode regenerate needs --engine sglang or vllm (the HF engine runs teacher forcing only)")
-    if options.engine == "vllm" and not Positions.parse(options.positions).everything:
-        raise ValueError(f"--positions {options.positions}: --engine vllm captures every position, so far")
     if options.engine == "vllm":
-        from hscapture.integrations.vllm_offline import import_vllm
+        from hscapture.integrations.vllm_offline import check_engine_args, import_vllm
 
         import_vllm()  # not installed: said now, before the store or the consumer
+        check_engine_args(options.sglang_args)
     check_batching(options.max_batch_tokens, options.max_batch_size, options.pad_to_multiple, as_flags=True)
     if options.engine == "hf" and options.sglang_args:
         raise ValueError(f"{' '.join(options.sglang_args)}: arguments after -- are SGLang's; they need --engine sglang")
@@ -341,6 +334,7 @@ def open_engine(options: ExtractOptions) -> OfflineEngine:
         return VLLMExtraction(
             options.model, options.layers, options.capture_last, options.dtype, options.device, options.mode,
             options.max_batch_size, options.max_new_tokens, options.temperature, options.sglang_args,
+            positions=options.positions,
         )  # fmt: skip
     if options.engine == "sglang":
         from hscapture.integrations.sglang_offline import SGLangExtraction
@@ -567,9 +561,9 @@ def run_stores(out: Path, part: Part | None) -> list[Path]:
 
 
 def job_environments(options: ExtractOptions, jobs: int) -> list[dict[str, str]]:
-    """Each job's GPUs, as ``CUDA_VISIBLE_DEVICES``: one GPU per job for ``hf``; for ``sglang`` an equal
-    share of the visible GPUs (for SGLang's own ``--tp-size``). CPU jobs: an equal share of the cores
-    (``OMP_NUM_THREADS``, unless set already): jobs whose torch threads outnumber the cores run several
+    """Each job's GPUs, as ``CUDA_VISIBLE_DEVICES``: one GPU per job for ``hf``; for ``sglang`` and ``vllm`` an
+    equal share of the visible GPUs (for the engine's own tensor parallelism). CPU jobs: an equal share of the
+    cores (``OMP_NUM_THREADS``, unless set already): jobs whose torch threads outnumber the cores run several
     times slower than their share, as they spin waiting for each other.
 
     Raises:
@@ -591,7 +585,7 @@ def job_environments(options: ExtractOptions, jobs: int) -> list[dict[str, str]]
         raise ValueError(
             f"--data-parallel {jobs}: {len(gpus)} GPUs visible; give at most {len(gpus)} (one job per GPU)"
         )
-    share = len(gpus) // jobs if options.engine == "sglang" else 1
+    share = len(gpus) // jobs if options.engine in ("sglang", "vllm") else 1
     return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * share : (i + 1) * share])} for i in range(jobs)]
 
 

@@ -22,6 +22,8 @@ import numpy as np
 #: What ``--positions`` accepts, said in every error about it.
 FORMS = "all, loss (the trained tokens), last (each sample's last token) or every:K (positions 0, K, 2K, ...)"
 _EVERY = re.compile(r"every:(\d+)")
+#: A bound past any position: a request still generating has no known end.
+_UNBOUNDED = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,31 @@ class Positions:
         for start, end in loss_mask:
             inside |= (positions >= start) & (positions < min(end, num_tokens))
         return inside
+
+    def kept_running(
+        self, positions: np.ndarray, prompt_len: int, loss_mask: Sequence[Sequence[int]] | None = None
+    ) -> np.ndarray:
+        """``[R]`` bool: which rows of a request an engine is running are asked, before its end is known.
+
+        ``last`` is its prompt's last token (teacher forcing: the sample); ``loss`` its ``loss_mask``, or, without
+        one (None), every position past its prompt (what it generates).
+        """
+        if self.kind == "loss":
+            return self.keep(positions, _UNBOUNDED, [(prompt_len, _UNBOUNDED)] if loss_mask is None else loss_mask)
+        return self.keep(positions, prompt_len)
+
+    def check_mode(self, mode: str) -> None:
+        """Refuse ``last`` with ``--mode regenerate``.
+
+        Raises:
+            ValueError: a generated answer's last token is known only at its end, after its row left the engine.
+        """
+        if mode == "regenerate" and self.kind == "last":
+            raise ValueError(
+                "--positions last with --mode regenerate: a generated answer's last token is known only once "
+                "generation ends, after its row left the engine; use --positions loss (the answer), or --mode teacher "
+                "on samples that hold the answers"
+            )
 
     def missing(
         self, num_tokens: int, loss_mask: Sequence[Sequence[int]], held: Sequence[Sequence[int]]

@@ -4,7 +4,7 @@ The server runs unchanged (SGLang's ``python -m sglang.launch_server``, or ``vll
 plus what makes it keep the EAGLE-3 states; the hscapture plugin in its processes publishes them (``drop`` policy by
 default: serving never waits). What is engine-specific (the command, its flags, the plugin's settings, what is
 refused) is each integration's ``server_launch``; the rest is here. One consumer per stream writes the store: one
-stream, or one per SGLang attention-DP group (``DIR/dp<rank>``).
+stream, or one per SGLang attention-DP group or vLLM DP rank (``DIR/dp<rank>``).
 
 Ctrl-C (or SIGTERM, SIGHUP) stops the server the graceful way each engine has: SIGTERM to it; it finishes the
 requests it serves (vLLM for its ``--shutdown-timeout`` at most, which the launch sets), then the plugin ends its
@@ -45,7 +45,7 @@ ENGINES = ("sglang", "vllm")
 class ServeOptions:
     """What ``hscapture serve`` does; every field is the command-line flag of the same name."""
 
-    #: Store directory (appended to if it exists; one per attention-DP group below it with DP).
+    #: Store directory (appended to if it exists; one per DP group or rank below it with DP).
     out: Path
     #: The engine whose OpenAI-compatible server runs: ``sglang`` (``python -m sglang.launch_server ARGS``) or
     #: ``vllm`` (``vllm serve ARGS``).
@@ -53,8 +53,8 @@ class ServeOptions:
     #: Layer ids and ranges, k = the residual stream entering decoder layer k: 2,16,29 or 1-31:2, or all (every
     #: layer this architecture's capture reaches, from 1); default the engine's EAGLE-3 layers.
     layers: str | tuple[int, ...] | None = field(default=None, metadata=flag(parse=layer_spec))
-    #: Capture this share of the requests (0 < rate <= 1), chosen by a hash of the request id, so a rerun with the
-    #: same ids picks the same ones; the others cost the engine only the check (default: every request). SGLang only.
+    #: Capture this share of the requests (0 < rate <= 1), chosen by a hash of the request id (vLLM: its store key), so
+    #: a rerun with the same ids picks the same ones; the others leave no rows (default: every request).
     sample_rate: float | None = None
     #: Also capture the post-norm final hidden state (what the LM head reads).
     capture_last: bool = field(default=True, metadata=flag(name="--last"))

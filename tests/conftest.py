@@ -266,6 +266,15 @@ def logged_consumer(start_consumer: ConsumerFactory, tmp_path: Path) -> Callable
     return start
 
 
+def vllm_rank_cores(ranks: int) -> dict[str, str]:
+    """The environment that gives each of ``ranks`` vLLM CPU ranks (TP or DP) a core of its own: vLLM's automatic
+    binding wants a NUMA node per rank, and the CI host has one. Skips the test on a host with too few cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        pytest.skip(f"vLLM's CPU path binds each of {ranks} ranks to cores of its own: this host has {len(cpus)}")
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpu) for cpu in cpus[:ranks])}
+
+
 def wait_attached(producer: Producer, timeout_s: float = 120.0) -> None:
     """Serve the producer's control socket until a consumer has attached (a consumer process's start, imports
     included, takes seconds on a busy 2-core host: the limit only bounds a broken run)."""

@@ -35,7 +35,7 @@ from hscapture.data import load_samples, plan_batches
 from hscapture.dataset import CaptureDataset
 from hscapture.errors import StoreError
 from hscapture.export import MANIFEST, ExportOptions, export
-from hscapture.extract import ExtractOptions, extract
+from hscapture.extract import ExtractOptions, extract, job_environments
 from hscapture.partition import Part, coverage, key_hash
 from hscapture.store.collection import verify_set
 from hscapture.tiny import write_demo_jsonl
@@ -191,6 +191,20 @@ def test_two_shard_jobs_at_once_one_killed_and_resumed_equal_one_unsharded_job(
 
 def complete_ids(store: Path) -> list[str]:
     return [r["id"] for r in request_lines(store) if r["status"] == "complete"]
+
+
+def test_data_parallel_jobs_of_an_engine_with_its_own_tp_share_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF runs on one GPU per job; SGLang and vLLM jobs each get an equal share, for their own tensor parallelism
+    (``-- --tensor-parallel-size 2`` needs two GPUs in each job)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    shares = {
+        engine: [
+            env["CUDA_VISIBLE_DEVICES"]
+            for env in job_environments(ExtractOptions(out=Path("unused"), engine=engine, device="cuda"), 2)
+        ]
+        for engine in ("hf", "sglang", "vllm")
+    }
+    assert shares == {"hf": ["4", "5"], "sglang": ["4,5", "6,7"], "vllm": ["4,5", "6,7"]}
 
 
 def test_data_parallel_jobs_share_the_batches_under_one_bar(

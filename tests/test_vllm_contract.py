@@ -120,6 +120,26 @@ def test_request_state_and_ids() -> None:
     assert "random_uuid():.8" in inspect.getsource(input_processor)  # the 8 characters store_key removes
 
 
+def test_where_a_request_gets_its_prefix_cache_namespace() -> None:
+    """The plugin salts a request (and turns its cache reads off) in EngineCore before vLLM builds the ``Request``
+    whose construction hashes its blocks, salt first, and reads whether it may read the cache."""
+    from vllm.v1.core import kv_cache_manager, kv_cache_utils
+    from vllm.v1.engine import EngineCoreRequest, core
+    from vllm.v1.request import Request
+
+    assert _params(core.EngineCore.preprocess_add_request) == ["self", "request"]
+    assert "Request.from_engine_core_request(request" in inspect.getsource(core.EngineCore.preprocess_add_request)
+    assert "preprocess_add_request" not in vars(core.EngineCoreProc)
+    assert {"request_id", "cache_salt", "sampling_params"} <= set(EngineCoreRequest.__struct_fields__)
+    assert "cache_salt=request.cache_salt" in inspect.getsource(Request.from_engine_core_request)
+    init = inspect.getsource(Request.__init__)
+    assert init.index("self.cache_salt") < init.index("self.update_block_hashes()")
+    assert "self.skip_reading_prefix_cache = self.get_skip_reading_prefix_cache()" in init
+    assert "self.sampling_params.skip_reading_prefix_cache" in inspect.getsource(Request.get_skip_reading_prefix_cache)
+    assert '("cache_salt", request.cache_salt)' in inspect.getsource(kv_cache_utils)
+    assert "not request.skip_reading_prefix_cache" in inspect.getsource(kv_cache_manager)
+
+
 def test_llm_takes_what_the_offline_engine_passes() -> None:
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
@@ -144,7 +164,13 @@ def test_the_server_launch_is_what_vllm_serves_parser_reads(tiny_model: Path) ->
     assert "main()" in inspect.getsource(api_server).split('if __name__ == "__main__":')[1]
     assert "uvloop.run(run_server(args))" in inspect.getsource(entry.main)
     capture = ServeCapture(
-        endpoint="ipc:///tmp/x", layers=None, capture_last=True, policy="drop", slot_bytes=None, meta={}
+        endpoint="ipc:///tmp/x",
+        layers=None,
+        capture_last=True,
+        policy="drop",
+        slot_bytes=None,
+        meta={},
+        sample_rate=0.5,
     )
     launch = server_launch([str(tiny_model), "--port", "1", "--additional_config", '{"kv": 1}'], capture)
     assert launch.command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and launch.streams == 1
@@ -152,4 +178,29 @@ def test_the_server_launch_is_what_vllm_serves_parser_reads(tiny_model: Path) ->
     assert (args.model, args.port, args.async_scheduling) == (str(tiny_model), 1, False)
     assert args.shutdown_timeout == SHUTDOWN_TIMEOUT_S > 0
     assert args.additional_config == {"kv": 1, "hscapture": {"layers": [2, 4, 5], "last": True}}
-    assert PluginSettings.from_env(launch.env[ENV]).attach_wait_s > 0
+    settings = PluginSettings.from_env(launch.env[ENV])
+    assert settings.attach_wait_s > 0 and settings.sample_rate == 0.5
+    launch = server_launch([str(tiny_model), "-dp", "2"], capture)
+    assert launch.streams == PluginSettings.from_env(launch.env[ENV]).data_parallel_size == 2
+    assert make_arg_parser(FlexibleArgumentParser()).parse_args(launch.command[3:]).data_parallel_size == 2
+
+
+def test_what_a_data_parallel_rank_knows_of_itself() -> None:
+    """A dense model's DP rank runs as an engine of DP=1 (its rank reset to 0): the plugin names its stream by
+    ``data_parallel_index``, which EngineCore sets to the rank before the reset, and takes the size from the launch.
+    The options ``serve`` refuses as splitting the ranks are vLLM's own."""
+    from vllm.config import ParallelConfig
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine import core
+
+    from hscapture.integrations.vllm import _DP_SPLIT
+
+    source = inspect.getsource(core.EngineCoreProc.run_engine_core)
+    assert source.index("parallel_config.data_parallel_index = dp_rank") < source.index(
+        "parallel_config.reconfigure_for_independent_dp_rank()"
+    )
+    reset = inspect.getsource(ParallelConfig.reconfigure_for_independent_dp_rank)
+    assert "self.data_parallel_size = 1" in reset and "data_parallel_index" not in reset
+    known = make_arg_parser(FlexibleArgumentParser())._option_string_actions  # what the launched server reads
+    assert set(_DP_SPLIT) <= set(known), set(_DP_SPLIT) - set(known)

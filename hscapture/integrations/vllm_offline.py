@@ -29,10 +29,12 @@ from hscapture.integrations.vllm import (
     ENV_DEFAULTS,
     ID_ARG,
     LOSS_MASK_ARG,
+    POSITIONS_ARG,
     PluginSettings,
     engine_kwargs,
 )
 from hscapture.integrations.vllm_models import launch_plan
+from hscapture.selection import Positions
 
 MODES = ("teacher", "regenerate")
 #: What the plugin captures from so far: sync scheduling (and vLLM's V1 runner: :data:`ENV_DEFAULTS`).
@@ -69,6 +71,21 @@ def vllm_engine_args(args: Sequence[str]) -> dict[str, Any]:
     return {k: v for k, v in vars(given).items() if k in names and v != getattr(defaults, k, None)}
 
 
+def check_engine_args(args: Sequence[str]) -> None:
+    """vLLM's engine arguments that ``extract`` cannot run, refused before the store or the consumer starts.
+
+    Raises:
+        ValueError: ``--data-parallel-size`` > 1 (``vllm.LLM`` runs no DP ranks of a dense model in one process).
+    """
+    size = int(vllm_engine_args(args).get("data_parallel_size", 1))
+    if size > 1:
+        raise ValueError(
+            f"--data-parallel-size {size}: vLLM's LLM, which extract runs, takes no data-parallel ranks in one "
+            f"process; use hscapture extract --data-parallel {size} (that many jobs, each its own vLLM and store "
+            "DIR/dp<j>)"
+        )
+
+
 class VLLMExtraction:
     """``hscapture extract --engine vllm``: same store layout and resume rules as the other engines.
 
@@ -82,10 +99,13 @@ class VLLMExtraction:
         max_batch_size: samples per ``generate`` call.
         max_new_tokens, temperature: regenerate mode's sampling.
         vllm_args: more vLLM engine arguments (``hscapture extract ... -- ARGS``).
+        positions: the positions of each sample to keep (``--positions``), sent with each request
+            (:data:`~hscapture.integrations.vllm.POSITIONS_ARG`); such requests neither read nor fill the prefix cache
+            others read (a prefix taken by reference needs a donor holding all of its positions).
 
     Raises:
-        ValueError: vLLM not installed, an unknown mode, no model there, an architecture vLLM's capture cannot
-            describe, or layers it cannot capture (all before vLLM starts).
+        ValueError: vLLM not installed, an unknown mode, ``--positions last`` with ``regenerate``, no model there, an
+            architecture vLLM's capture cannot describe, or layers it cannot capture (all before vLLM starts).
     """
 
     def __init__(
@@ -100,9 +120,12 @@ class VLLMExtraction:
         max_new_tokens: int = 512,
         temperature: float = 0.0,
         vllm_args: Sequence[str] = (),
+        positions: str = "all",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"--mode: {mode!r} is unknown; use one of {MODES}")
+        self.positions = Positions.parse(positions)
+        self.positions.check_mode(mode)
         import_vllm()
         from transformers import AutoTokenizer
 
@@ -123,6 +146,7 @@ class VLLMExtraction:
             "mode": mode,
             "launcher": "hscapture extract",
             "engine_args": self.vllm_args,
+            **({} if self.positions.everything else {"positions": str(self.positions)}),
         }
         self.engine: Any = None
         self._watchdog: Callable[[], None] = lambda: None
@@ -171,20 +195,29 @@ class VLLMExtraction:
         from vllm.inputs import TokensPrompt
 
         self._watchdog()
+        selection = {} if self.positions.everything else {POSITIONS_ARG: str(self.positions)}
         if self.mode == "teacher":
             tokens = [list(s.input_ids) for s in batch]
             params = [
                 SamplingParams(
                     max_tokens=1,
                     temperature=0.0,
-                    extra_args={ID_ARG: s.key, LOSS_MASK_ARG: [list(r) for r in loss_mask_ranges(s.loss_mask)]},
+                    extra_args={
+                        ID_ARG: s.key,
+                        LOSS_MASK_ARG: [list(r) for r in loss_mask_ranges(s.loss_mask)],
+                        **selection,
+                    },
                 )
                 for s in batch
             ]
         else:
             tokens = [regenerate_prompt(s) for s in batch]
             params = [
-                SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature, extra_args={ID_ARG: s.key})
+                SamplingParams(
+                    max_tokens=self.max_new_tokens,
+                    temperature=self.temperature,
+                    extra_args={ID_ARG: s.key, **selection},
+                )
                 for s in batch
             ]
         prompts = [TokensPrompt(prompt_token_ids=t) for t in tokens]
