@@ -11,14 +11,16 @@ stream entering layers ``[2, L/2, L-3]`` and the post-norm last state (``--layer
 ``all`` is every decoder layer's output, 1..L; more than three go into the graph's ring copy side by
 side, one concatenation). Variants, interleaved repeat by repeat (order rotated; repeat 0 is warm-up
 and not reported), medians of synchronized
-wall time:
+wall time. ``--variants`` picks the ones beside ``off`` (default ``drop,block,write-only,dump,tolist``):
+with every layer, ``dump`` and ``tolist`` take minutes a step and a storing ring writes every row it gets, so
+the run checks the disk first (:func:`check_disk`). Variants:
 
 * ``off``: the loop alone;
 * ``drop`` / ``block``: hscapture with a consumer process writing a store to disk, through its
   engine-facing API: decode graphs hold the producer's ring copy (``Producer.graph_rows``), and after
   each replay ``capture_step`` of the graph's outputs only plans where its rows go; prefill calls
   ``capture_step`` on the eager states;
-* ``discard`` (``--discarding``): ``drop`` with a consumer that copies every slot out and writes nothing, so that
+* ``discard`` (in ``--variants``): ``drop`` with a consumer that copies every slot out and writes nothing, so that
   the engine's cost is told apart from the disk's (issue 31: every layer, ``--layers all``);
 * ``dump``: the usual engine patch, synchronous ``.cpu()`` + ``torch.save`` every step;
 * ``tolist``: SGLang's built-in path, ``.cpu().clone().tolist()`` per request every step (the
@@ -35,6 +37,7 @@ captured (``store``) and as fp8 (``store_fp8``).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import shutil
@@ -45,6 +48,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,11 @@ from hscapture.producer.row_kernel import MAX_SOURCES
 
 GiB = 1 << 30
 VARIANTS = ("off", "drop", "block", "dump", "tolist")
+#: What ``--variants`` may name, and what it names by default (``off`` is always run).
+CHOICES = ("drop", "block", "discard", "write-only", "dump", "tolist")
+DEFAULT_VARIANTS = ("drop", "block", "write-only", "dump", "tolist")
+#: Share of the work dir's free space a run may fill at most (the results and the OS need the rest).
+DISK_SHARE = 0.8
 POLICIES = ("drop", "block")
 #: Ring variants: name -> its producer's policy, and whether its consumer discards what it copies out.
 RINGS = {"drop": ("drop", False), "block": ("block", False), "discard": ("drop", True)}
@@ -131,7 +140,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layers", help="layers captured, as hscapture extract takes them: 2,16,29, 0-32:4 or all (default EAGLE-3's)"
     )
     parser.add_argument(
-        "--discarding", action="store_true", help="also a drop ring whose consumer discards what it copies out"
+        "--variants",
+        type=_names,
+        help=f"variants beside off, from {','.join(CHOICES)} (default {','.join(DEFAULT_VARIANTS)}; discard: a drop "
+        "ring whose consumer copies out and discards)",
     )
     parser.add_argument("--drain-gib", type=float, help="GiB per drain-rate repeat (GPU only)")
     parser.add_argument("--drain-repeats", type=int, help="drain-rate repeats")
@@ -152,6 +164,40 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
     return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [name for name in names if name not in CHOICES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: name variants from {','.join(CHOICES)}, separated by commas")
+    return names
+
+
+def check_disk(settings: dict[str, Any]) -> dict[str, float]:
+    """Refuse, before any model is built, a run whose stores could fill the work dir: a ``drop`` or ``block`` ring
+    stores every row it is given (``drop`` drops only what the disk cannot keep up with), every timed loop and
+    warm-up; ``dump`` holds one loop's steps at a time. Every layer of an 8B model is 270 KB a row."""
+    s = settings
+    row_bytes = (len(s["layers"]) + 1) * s["dims"]["hidden_size"] * 2 + 64  # + position, token id, checksum
+    rows = sum(s["batches"]) * s["decode_steps"] * (s["repeats"] + 1)
+    rows += s["prefill_tokens"] * s["prefill_steps"] * (s["prefill_repeats"] + 1)
+    storing = [ring for ring in s["rings"] if not RINGS[ring][1]]
+    need = len(storing) * rows * row_bytes
+    if s["dump"]:
+        need += max(max(s["batches"]) * s["decode_steps"], s["prefill_tokens"] * s["prefill_steps"]) * row_bytes
+    work = Path(s["work_dir"])
+    probe = next(path for path in (work, *work.parents) if path.exists())  # the disk it will be made on
+    free = shutil.disk_usage(probe).free
+    if need > DISK_SHARE * free:
+        raise ValueError(
+            f"this run could write {need / GiB:.1f} GiB into {work} ({free / GiB:.1f} GiB free there): "
+            f"{len(storing)} storing ring(s) ({', '.join(storing) or 'none'}) x {rows:,} rows x {row_bytes:,} B"
+            f"{' + one dump loop' if s['dump'] else ''}. Store less (--variants without drop/block/dump, e.g. "
+            "discard; fewer --batches, --decode-steps, --repeats, --prefill-steps or --prefill-repeats) or give "
+            "--work-dir on a larger disk"
+        )
+    return {"could_write_gib": round(need / GiB, 1), "free_gib": round(free / GiB, 1)}
 
 
 def resolve(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any]]:
@@ -182,12 +228,16 @@ def resolve(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any]]:
     settings["dims"] = dict(TINY if args.tiny else LLAMA_8B)
     layers = settings["dims"]["num_hidden_layers"]
     settings["layers"] = list(resolve_layers(args.layers, layers) if args.layers else eagle3_default_layers(layers))
-    settings["rings"] = [name for name in RINGS if name != "discard" or args.discarding]
+    variants = settings["variants"] = list(args.variants or DEFAULT_VARIANTS)
+    settings["rings"] = [name for name in RINGS if name in variants]
+    settings["write_only"] = "write-only" in variants
+    settings["dump"], settings["tolist"] = "dump" in variants, "tolist" in variants
     if args.slot_mib is None:  # a slot holds as many rows as the EAGLE-3 set's (4 tensors) would: wider slots
         settings["slot_mib"] = -(-settings["slot_mib"] * (len(settings["layers"]) + 1) // 4)
     settings["dtype"] = "bfloat16"
     settings["graphs"] = device.type == "cuda"
     settings["work_dir"] = str(args.work_dir or tempfile.gettempdir())
+    settings["disk"] = check_disk(settings)
     return device, settings
 
 
@@ -350,6 +400,12 @@ class TolistVariant(StaticOutputVariant):
 # ---------------------------------------------------------------------------------------------- the loop
 
 
+def _alive(ring: str, consumer: subprocess.Popen[Any]) -> None:
+    """A ``block`` producer's watchdog: stop waiting once its consumer has exited (a full disk, a crash)."""
+    if consumer.poll() is not None:
+        raise RuntimeError(f"the {ring} ring's consumer exited with status {consumer.returncode}; see its stderr above")
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -432,6 +488,7 @@ class ServingLoop:
                 config,
                 tensor_descriptions=self.descriptions,
                 meta={"engine": "benchmarks/gpu_serving.py", "dims": s["dims"]},
+                watchdog=partial(_alive, ring, self.consumers[ring]),
             )
         for ring in s["rings"]:
             gpu_ring.attach(self.producers[ring], self.consumers[ring], timeout_s=180.0)
@@ -443,10 +500,10 @@ class ServingLoop:
         self.variants = [
             Variant(),
             *(RingVariant(self.producers[r], self.consumers[r], r) for r in s["rings"]),
-            DumpVariant(outputs, make_output, self.work / "dump"),
-            TolistVariant(outputs, make_output),
+            *([DumpVariant(outputs, make_output, self.work / "dump")] if s["dump"] else []),
+            *([TolistVariant(outputs, make_output)] if s["tolist"] else []),
         ]
-        if s["graphs"]:
+        if s["graphs"] and s["write_only"]:
             diagnostic = self.capture_config(
                 "drop", len(s["batches"]) + 2, max(s["batches"]), gpu_ring.endpoint("serve-write-only")
             )
@@ -460,7 +517,10 @@ class ServingLoop:
     def setup(self) -> dict[str, Any]:
         """Producers, consumers and variants; on a GPU the decode graphs too."""
         self.start_capture()
-        info: dict[str, Any] = {"policies": list(self.producers), "ring": self.producers["block"].config.to_dict()}
+        info: dict[str, Any] = {
+            "policies": list(self.producers),
+            "ring": next(iter(self.producers.values())).config.to_dict() if self.producers else None,
+        }
         if self.settings["graphs"]:
             copies = [v.copy for v in self.variants if isinstance(v, RingWrites)]
             if not all(copies):
@@ -605,22 +665,29 @@ class ServingLoop:
     ) -> Timing:
         """Synchronized wall time of ``steps`` steps, and the host time of the variant's hooks apart."""
         before_ns = after_ns = 0
+        host_ns = np.zeros(steps, dtype=np.int64)
+        collections = GcTime()
         sync(self.device)
         started = time.perf_counter()
-        for step in range(steps):
-            facts = meta(step)
-            t0 = time.perf_counter_ns()
-            variant.before(facts)
-            t1 = time.perf_counter_ns()
-            states = forward(step)
-            t2 = time.perf_counter_ns()
-            variant.after(facts, states)
-            t3 = time.perf_counter_ns()
-            read_back(step)
-            before_ns += t1 - t0
-            after_ns += t3 - t2
+        with collections:
+            for step in range(steps):
+                facts = meta(step)
+                t0 = time.perf_counter_ns()
+                variant.before(facts)
+                t1 = time.perf_counter_ns()
+                states = forward(step)
+                t2 = time.perf_counter_ns()
+                variant.after(facts, states)
+                t3 = time.perf_counter_ns()
+                read_back(step)
+                before_ns += t1 - t0
+                after_ns += t3 - t2
+                host_ns[step] = t1 - t0 + t3 - t2
         sync(self.device)
-        return Timing(time.perf_counter() - started, before_ns / steps / 1e3, after_ns / steps / 1e3)
+        return Timing(
+            time.perf_counter() - started, before_ns / steps / 1e3, after_ns / steps / 1e3,
+            host_us=host_ns / 1e3, gc_runs=collections.runs, gc_ms=collections.seconds * 1e3,
+        )  # fmt: skip
 
     def interleaved(
         self, timed: Callable[[Variant, int], Timing], repeats: int, variants: list[Variant]
@@ -646,6 +713,33 @@ class Timing:
     after_us: float
     #: GPU milliseconds of each step's forward (events around it; eager GPU steps only).
     gpu_ms: list[float] = field(default_factory=list)
+    #: Host µs of each step in the variant's hooks (before + after).
+    host_us: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: Python garbage collections during the loop (any generation), and their milliseconds.
+    gc_runs: int = 0
+    gc_ms: float = 0.0
+
+
+class GcTime:
+    """Python's garbage collections while it is entered: how many, and how long they took (``gc.callbacks``).
+    A collection runs inside whatever call allocated last, so it lands in some step's host time."""
+
+    def __init__(self) -> None:
+        self.runs, self.seconds, self._at = 0, 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._at = time.perf_counter()
+        else:
+            self.runs += 1
+            self.seconds += time.perf_counter() - self._at
+
+    def __enter__(self) -> GcTime:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 @dataclass
@@ -688,6 +782,9 @@ def summarize(measured: dict[str, Measured], tokens: int, steps: int) -> dict[st
             "capture_us_per_step": round((med - off) / steps * 1e6, 1),
             "before_host_us_per_step": round(median([t.before_us for t in data.timings]), 1),
             "after_host_us_per_step": round(median([t.after_us for t in data.timings]), 1),
+            **_host_spread([t.host_us for t in data.timings]),
+            "gc_runs": sum(t.gc_runs for t in data.timings),
+            "gc_ms": round(sum(t.gc_ms for t in data.timings), 2),
             "seconds": [round(t.seconds, 5) for t in data.timings],
             **(
                 {"gpu_forward_ms": round(median([ms for t in data.timings for ms in t.gpu_ms]), 2)}
@@ -697,6 +794,23 @@ def summarize(measured: dict[str, Measured], tokens: int, steps: int) -> dict[st
             **data.counted,
         }
     return out
+
+
+def _host_spread(per_repeat: list[np.ndarray]) -> dict[str, float]:
+    """The hooks' host µs per step over every timed step: its median, tail and mean, and what the steps over
+    100 µs (a socket serve, a collection, a preempted thread) add to the mean."""
+    steps = np.concatenate(per_repeat) if per_repeat else np.zeros(0)
+    if not steps.size:
+        return {}
+    slow = steps > 100.0
+    return {
+        "host_us_p50": round(float(np.median(steps)), 1),
+        "host_us_p90": round(float(np.percentile(steps, 90)), 1),
+        "host_us_p99": round(float(np.percentile(steps, 99)), 1),
+        "host_us_mean": round(float(steps.mean()), 1),
+        "host_steps_over_100us": int(slow.sum()),
+        "host_us_mean_from_them": round(float(steps[slow].sum() / steps.size), 1),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- sections
@@ -959,18 +1073,20 @@ def tok_per_s(record: dict[str, Any]) -> dict[str, dict[str, float]]:
 def table(record: dict[str, Any]) -> str:
     results = record["results"]
     lines = [
-        "| workload | variant | tok/s | vs off | step ms | capture µs/step | host µs before / after | rows dropped |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| workload | variant | tok/s | vs off | step ms | capture µs/step | host µs before / after "
+        "| host µs p50 / p90 | rows dropped |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for section in ("decode", "prefill"):
         data = results.get(section, {})
         if "error" in data:
-            lines.append(f"| {section} | — | — | — | — | — | — | error: {data['error']} |")
+            lines.append(f"| {section} | — | — | — | — | — | — | — | error: {data['error']} |")
         for name, entry in data.get("workloads", {}).items():
             for v, e in entry.items():
                 lines.append(
                     f"| {name} | {v} | {e['tok_per_s']:,.0f} | {e['ratio_to_off']:.3f} | {e['step_ms']:.2f} | "
-                    f"{e['capture_us_per_step']:+,.0f} | {_host_us(e)} | {e.get('rows_dropped', '—')} |"
+                    f"{e['capture_us_per_step']:+,.0f} | {_host_us(e)} | {_host_percentiles(e)} | "
+                    f"{e.get('rows_dropped', '—')} |"
                 )
     lines += ["", "| rate | hscapture GB/s | baseline GB/s | ratio | baseline |", "|---|---:|---:|---:|---|"]
     drain = results.get("drain", {})
@@ -1005,6 +1121,13 @@ def _host_us(figures: dict[str, Any]) -> str:
     if "before_host_us_per_step" in figures:
         return f"{figures['before_host_us_per_step']:,.0f} / {figures['after_host_us_per_step']:,.0f}"
     return f"{figures['hook_host_us_per_step']:,.0f} (sum)"
+
+
+def _host_percentiles(figures: dict[str, Any]) -> str:
+    """Host µs per step in the hooks (before + after), median / 90th percentile over every step (newer records)."""
+    if "host_us_p50" not in figures:
+        return "—"
+    return f"{figures['host_us_p50']:,.0f} / {figures['host_us_p90']:,.0f}"
 
 
 SUITE = SuiteSpec(

@@ -16,6 +16,7 @@ a module and a line in :data:`SUITES`. ``python -m hscapture bench SUITE`` is th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -101,14 +102,19 @@ def main(argv: list[str] | None = None) -> int:
             partial = report.build_record(args.suite, outcome, argv, time.monotonic() - started, complete=False)
             report.write_json(args.results_dir / f"{outcome.name}.json", partial)
 
+        work_dir = getattr(args, "work_dir", None)
+        made = work_dir is not None and not work_dir.exists()
         try:
-            if getattr(args, "work_dir", None) is not None:  # every suite's, made (private) or refused up front
-                ensure_writable_dir(args.work_dir, "--work-dir")
+            if work_dir is not None:  # every suite's, made (private) or refused up front
+                ensure_writable_dir(work_dir, "--work-dir")
             outcome = spec.run(args, checkpoint)
-        except report.SuiteSkipped as exc:
-            print(f"{args.suite} suite skipped: {exc}", file=sys.stderr)
-            return 0
-        except ValueError as exc:
+        except (report.SuiteSkipped, ValueError) as exc:
+            if made:  # a refusal leaves nothing it created (the work dir, while nothing is in it)
+                with contextlib.suppress(OSError):
+                    work_dir.rmdir()
+            if isinstance(exc, report.SuiteSkipped):
+                print(f"{args.suite} suite skipped: {exc}", file=sys.stderr)
+                return 0
             print(f"{args.suite} suite: error: {exc}", file=sys.stderr)
             return 2
         record = report.build_record(args.suite, outcome, argv, time.monotonic() - started, complete=True)

@@ -141,6 +141,8 @@ def test_gpu_suite_tiny_cpu_writes_a_complete_record(tiny_run: tuple[Path, Path,
         repeats = record["settings"]["repeats" if name.startswith("decode") else "prefill_repeats"]
         for variant, figures in entry.items():
             assert figures["tok_per_s"] > 0 and len(figures["seconds"]) == repeats, (name, variant)
+            spread = [figures[f"host_us_{q}"] for q in ("p50", "p90", "p99")]  # every timed step's hooks
+            assert 0 <= spread[0] <= spread[1] <= spread[2] and figures["gc_runs"] >= 0, (name, variant, figures)
         assert entry["block"]["rows_dropped"] == 0, name
     stores = record["results"]["stores"]
     for policy in ("drop", "block"):  # what the producer announced is what the store holds
@@ -213,6 +215,20 @@ def test_gpu_suite_refuses_bad_settings_naming_the_option(tmp_path: Path) -> Non
     )  # fmt: skip
     assert done.returncode == 2
     assert "--prefill-tokens 65 is not a multiple of --prefill-seqs 2" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_suite_refuses_a_run_its_stores_could_not_fit(tmp_path: Path) -> None:
+    """Every layer, a storing ring and long prefills: the rows it could store are counted against the work dir's
+    free space before the model is built (every layer of an 8B model once filled the GPU host's disk)."""
+    done = run_bench(
+        "gpu", "--tiny", "--device", "cpu", "--layers", "all", "--variants", "drop,discard",
+        "--prefill-tokens", "100000000", "--prefill-steps", "64", "--results-dir", tmp_path, "--work-dir",
+        tmp_path / "work", in_process=True,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"into {tmp_path / 'work'} (" in done.stderr and "1 storing ring(s) (drop)" in done.stderr, done.stderr
+    assert "--variants without drop/block/dump" in done.stderr and "Traceback" not in done.stderr
     assert list(tmp_path.iterdir()) == []
 
 
