@@ -13,7 +13,9 @@ side, one concatenation). Variants, interleaved repeat by repeat (order rotated;
 and not reported), medians of synchronized
 wall time. ``--variants`` picks the ones beside ``off`` (default ``drop,block,write-only,dump,tolist``):
 with every layer, ``dump`` and ``tolist`` take minutes a step and a storing ring writes every row it gets, so
-the run checks the disk first (:func:`check_disk`). Variants:
+the run checks the disk first (:func:`check_disk`). Once the loop is built, Python's collector is told to ignore
+its start-up heap (``--gc freeze``, as vLLM's EngineCore does after start-up), so that a collection mid-loop scans
+only what the loop made; each variant's record counts the collections in its timed steps. Variants:
 
 * ``off``: the loop alone;
 * ``drop`` / ``block``: hscapture with a consumer process writing a store to disk, through its
@@ -145,6 +147,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"variants beside off, from {','.join(CHOICES)} (default {','.join(DEFAULT_VARIANTS)}; discard: a drop "
         "ring whose consumer copies out and discards)",
     )
+    parser.add_argument(
+        "--gc",
+        choices=("freeze", "on"),
+        default="freeze",
+        help="freeze (default): Python's collector ignores the start-up heap once the loop is built, as vLLM's "
+        "EngineCore does (freeze_gc_heap) and SGLang around its graphs; on: a collection may scan it mid-loop",
+    )
     parser.add_argument("--drain-gib", type=float, help="GiB per drain-rate repeat (GPU only)")
     parser.add_argument("--drain-repeats", type=int, help="drain-rate repeats")
     parser.add_argument("--store-gib", type=float, help="GiB per store-rate repeat")
@@ -234,6 +243,7 @@ def resolve(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any]]:
     settings["dump"], settings["tolist"] = "dump" in variants, "tolist" in variants
     if args.slot_mib is None:  # a slot holds as many rows as the EAGLE-3 set's (4 tensors) would: wider slots
         settings["slot_mib"] = -(-settings["slot_mib"] * (len(settings["layers"]) + 1) // 4)
+    settings["gc"] = args.gc
     settings["dtype"] = "bfloat16"
     settings["graphs"] = device.type == "cuda"
     settings["work_dir"] = str(args.work_dir or tempfile.gettempdir())
@@ -526,6 +536,10 @@ class ServingLoop:
             if not all(copies):
                 raise RuntimeError("the producer's graph copy is unavailable here (its kernels did not compile)")
             info.update(self.capture_graphs())
+        if self.settings["gc"] == "freeze":  # what an engine does once started: its start-up heap is never scanned
+            gc.collect()
+            gc.freeze()
+            info["gc_frozen_objects"] = gc.get_freeze_count()
         return info
 
     def decode_body(self, bs: int, variant: Variant) -> list[torch.Tensor]:
@@ -1056,6 +1070,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
         gpu_ring.stop_children()
         gpu_ring.remove_endpoints()
         shutil.rmtree(work, ignore_errors=True)
+        gc.unfreeze()
     return outcome
 
 
