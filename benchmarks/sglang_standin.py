@@ -16,9 +16,9 @@ decode forward's hook runs, its input tokens exist only on the device (gathered 
 buffer, as SGLang's FutureMap does), and a finished request runs one step past its end. With
 ``overlap=False`` it runs ``event_loop_normal``'s order instead (process batch N right after it).
 
-The "model" writes ``token * 1024 + position + t / 4`` into every column of captured tensor
-``t`` (the aux layers, then the last layer), into static output buffers that the next forward
-overwrites (as a CUDA graph's outputs are), so a float32 store can be checked exactly.
+The "model" writes ``token * 1024 + position + t / 4`` (:func:`benchmarks.standin.expected_row`) into every
+column of captured tensor ``t`` (the aux layers, then the last layer), into static output buffers that the next
+forward overwrites (as a CUDA graph's outputs are), so a float32 store can be checked exactly.
 """
 
 from __future__ import annotations
@@ -33,13 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.standin import VOCAB, cycles_for
 from hscapture.config import CaptureConfig
 from hscapture.integrations.sglang import PluginSettings, SGLangCapture
 from hscapture.integrations.sglang_models import architecture
 from hscapture.producer import Producer
-
-#: Token ids stay below this, so ``token * 1024 + position`` is exact in float32.
-VOCAB = 1000
 
 
 class ForwardMode(enum.IntEnum):
@@ -241,7 +239,7 @@ class OverlapScheduler:
         self.offsets = torch.arange(num_aux + 1, device=self.device, dtype=torch.float32) / 4
         self.token_buf = torch.zeros(len(plans) + 1, dtype=torch.int64, device=self.device)  # FutureMap
         self.forward_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.sleep_cycles = _cycles_for(queued_gpu_s) if self.cuda and queued_gpu_s > 0 else 0
+        self.sleep_cycles = cycles_for(queued_gpu_s) if self.cuda and queued_gpu_s > 0 else 0
         #: The graph runner's owner (``graph_runner.model_runner``), with the hooks its captures call.
         self.model_runner = ModelRunner()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -441,23 +439,6 @@ class OverlapScheduler:
 
 def _fill(req: Req) -> array:
     return req.origin_input_ids + req.output_ids
-
-
-def _cycles_for(seconds: float) -> int:
-    """``torch.cuda._sleep`` cycles that keep the GPU busy about ``seconds``."""
-    probe = 10_000_000
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(probe // 10)  # warm-up
-    start.record()
-    torch.cuda._sleep(probe)
-    end.record()
-    end.synchronize()
-    return max(1, int(probe * seconds * 1e3 / start.elapsed_time(end)))
-
-
-def expected_row(token: int, position: int, tensor: int) -> float:
-    """The value the stand-in model writes into every column of captured tensor ``tensor``."""
-    return token * 1024 + position + tensor / 4
 
 
 def capture_with_producer(config: CaptureConfig, **settings: Any) -> SGLangCapture:

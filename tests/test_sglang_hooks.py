@@ -17,14 +17,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from benchmarks.sglang_standin import (
     FINISH_ABORT,
     FINISH_LENGTH,
-    VOCAB,
     ForwardBatch,
     ForwardMode,
     GenerationBatchResult,
@@ -35,8 +33,8 @@ from benchmarks.sglang_standin import (
     SamplingParams,
     ScheduleBatch,
     capture_with_producer,
-    expected_row,
 )
+from benchmarks.standin import capture_config, expected_row, prompts
 from hscapture import CaptureConfig, open_store
 from hscapture.integrations.sglang import (
     LOSS_MASK_PARAM,
@@ -62,11 +60,7 @@ OWN = "sglang-own"
 
 
 def plans() -> list[Plan]:
-    rng = np.random.default_rng(7)
-
-    def prompt(n: int) -> list[int]:
-        return rng.integers(1, VOCAB, n).tolist()
-
+    prompt = prompts(7)
     return [
         Plan("short", prompt(5), max_new_tokens=6),
         Plan("chunked", prompt(50), max_new_tokens=4),  # 50 prompt tokens > 24 per batch: three chunks
@@ -81,20 +75,7 @@ def plans() -> list[Plan]:
 
 
 def config_for(endpoint: str, device: str) -> CaptureConfig:
-    row_bytes = (len(LAYERS) + 1) * HIDDEN * 4
-    return CaptureConfig(
-        layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_layers=8,
-        dtype="float32",
-        device=device,
-        policy="block",
-        endpoint=endpoint,
-        slot_bytes=8 * row_bytes,  # 8 rows a slot: a prefill step spans several slots
-        ring_bytes=8 * 8 * row_bytes,
-        max_step_rows=64,
-        block_timeout_s=60,
-    )
+    return capture_config(endpoint, device, LAYERS, HIDDEN)
 
 
 def strict_hooks(device: str) -> Callable[[str, Callable[[], None]], None]:
