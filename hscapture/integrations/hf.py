@@ -42,7 +42,7 @@ from hscapture.config import (
 from hscapture.config import eagle3_default_layers as eagle3_default_layers  # extract and tests import it here
 from hscapture.data import Sample, check_batching, loss_mask_ranges, pad_batch, padded_length
 from hscapture.errors import HSCaptureError
-from hscapture.producer import Producer
+from hscapture.producer import Producer, device_index
 from hscapture.selection import Positions
 
 LAST = "last"
@@ -464,10 +464,10 @@ class HFExtraction:
         # Per sample, the positions kept (all of them, or the selection's): on the host, no device read.
         kept = [self.positions.asked(n, mask) for n, mask in zip(lengths, masks)]
         positions = np.concatenate(kept)
-        rows = torch.from_numpy(np.concatenate([i * input_ids.shape[1] + p for i, p in enumerate(kept)]))
+        rows = np.concatenate([i * input_ids.shape[1] + p for i, p in enumerate(kept)])
         states = self.capture.collect()
         self._wait_for_device()
-        keys, token_ids = [s.key for s in batch], input_ids.reshape(-1)[rows]
+        keys, token_ids = [s.key for s in batch], input_ids.reshape(-1)[torch.from_numpy(rows)]
         for begin, end, owners, counts in steps([len(p) for p in kept], self.max_batch_tokens):
             self.producer.capture_step(
                 states,
@@ -475,7 +475,7 @@ class HFExtraction:
                 request_rows=counts,
                 positions=positions[begin:end],
                 token_ids=token_ids[begin:end],
-                row_index=rows[begin:end].to(self.device, non_blocking=True),
+                row_index=device_index(rows[begin:end], self.device),
             )
         if self.device.type == "cuda":
             self._batch_done.append(torch.cuda.Event())

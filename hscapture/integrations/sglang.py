@@ -635,8 +635,9 @@ class SGLangCapture(EngineCapture, engine="sglang", layers_key="sglang_layers_to
             return
         if len(self.pending) >= MAX_PENDING:
             raise self._backlog()
-        # Pageable memory, non_blocking: the driver stages the few bytes at once, without a sync.
-        row_index = None if rows.keep is None else torch.from_numpy(rows.keep).to(states[0].device, non_blocking=True)
+        from hscapture.producer import device_index  # the plugin's module loads in every SGLang process: lazily
+
+        row_index = None if rows.keep is None else device_index(rows.keep, states[0].device)
         step = producer.write_step(states, rows.rids, rows.counts, row_index)
         if step.written:
             runs = rows.runs or (rows.reqs, rows.firsts, rows.counts)

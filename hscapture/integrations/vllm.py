@@ -545,7 +545,9 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
         per_request = (seen[bounds[1:]] - seen[bounds[:-1]]).tolist()  # host numpy, not a device tensor
         owners = [key for key, n in zip(keys, per_request) if n]
         kept = [n for n in per_request if n]
-        index = torch.from_numpy(rows).to(states[0].device, non_blocking=True)
+        from hscapture.producer import device_index  # the plugin's module loads in every vLLM process: lazily
+
+        index = device_index(rows, states[0].device)
         self.producer.capture_step(states, owners, kept, positions[rows], token_ids[rows], index)
 
     def _kept(self, rids: list[str], counts: list[int], positions: np.ndarray) -> tuple[list[str], np.ndarray | None]:

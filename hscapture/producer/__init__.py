@@ -6,7 +6,7 @@ over a ring and a socket pair, :class:`NullProducer` does nothing. Rows then flo
 (:mod:`hscapture.ring`) -> consumer (:mod:`hscapture.consumer`) -> store (:mod:`hscapture.store`).
 """
 
-from hscapture.producer.base import EngineProducer, NullProducer, ProducerCounters, WrittenStep
+from hscapture.producer.base import EngineProducer, NullProducer, ProducerCounters, WrittenStep, device_index
 from hscapture.producer.producer import RUN_STEPS, Producer
 
-__all__ = ["RUN_STEPS", "EngineProducer", "NullProducer", "Producer", "ProducerCounters", "WrittenStep"]
+__all__ = ["RUN_STEPS", "EngineProducer", "NullProducer", "Producer", "ProducerCounters", "WrittenStep", "device_index"]

@@ -335,3 +335,14 @@ class NullProducer(EngineProducer):
     @property
     def attached(self) -> bool:
         return False
+
+
+def device_index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A ``row_index`` for :meth:`EngineProducer.capture_step` / ``write_step`` from host rows, on ``device``.
+
+    On a GPU the rows are staged in pinned memory first (torch's caching host allocator holds the block until
+    the copy is done): a ``non_blocking`` copy from pageable memory may make the host wait for the stream."""
+    index = torch.from_numpy(rows)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
