@@ -536,7 +536,8 @@ def _consume(args: argparse.Namespace) -> int:
     from hscapture.consumer.metrics import MetricsReporter
 
     # No model here: the writer threads are the parallelism (fp8 quantization), torch's kernels get one thread.
-    # torch is imported only for a CUDA ring or fp8 rows quantized by torch: then with OMP_NUM_THREADS as set here.
+    # torch is imported only for fp8 rows quantized by torch (on a CUDA ring's GPU, or on a host without numba):
+    # then with OMP_NUM_THREADS as set here.
     torch = sys.modules.get("torch")
     if torch is not None:  # imported already (this command run in-process)
         torch.set_num_threads(1)

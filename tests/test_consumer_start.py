@@ -2,17 +2,20 @@
 
 The figures are the ``consumer-start`` benchmark's (``benchmarks/README.md``); these tests pin the causes: the
 store's run begins without waiting for its shard buffers to be touched or its kernels to compile,
-``hscapture consume`` imports no extraction, export or serving code, and a consumer of a host ring does not
-import torch (2-3 s of a 2-core host's ~2.5 s from launch to attach, before).
+``hscapture consume`` imports no extraction, export or serving code, and a consumer keeping rows as captured
+does not import torch (2-3 s of a 2-core host's ~2.5 s from launch to attach, and 3-4 s of the H200's 5.6 s,
+before), from a host ring or a CUDA ring (``tests/test_gpu.py`` runs the latter on a GPU).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,10 +23,12 @@ import numpy as np
 import pytest
 import torch
 
+import hscapture.ring.cuda as cuda_ring
 import hscapture.store.writer as writer_module
 from hscapture import open_store
 from hscapture.consumer import consume_command
 from hscapture.fp8 import dequantize_rows, quantize_rows
+from hscapture.ring.base import RingReader
 from hscapture.store.shards import ShardBuffer
 from hscapture.store.writer import StoreWriter
 from tests.storefeed import Feed, make_layout, make_request
@@ -98,6 +103,53 @@ def test_consume_imports_no_extraction_export_or_serving() -> None:
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--endpoint" in done.stdout and done.stdout.strip().endswith("[]"), done.stdout[-500:]
+
+
+def test_the_cuda_ring_module_imports_neither_torch_nor_cupy() -> None:
+    """``hscapture consume`` and the CUDA ring's module load without torch, and without cupy until a ring or CUDA's
+    start needs it (a host ring's consumer never does)."""
+    probe = (
+        "import sys\n"
+        "import hscapture.cli, hscapture.consumer, hscapture.consumer.metrics, hscapture.ring.cuda\n"
+        "print(sorted(m for m in ('torch', 'cupy') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout[-500:]
+
+
+def names_reached(owner: type, *roots: str) -> set[str]:
+    """Every name the code of ``owner``'s methods (or its module's functions) ``roots`` uses, following the methods
+    and module functions it names, nested code included: a lazy ``import torch`` anywhere on the way shows."""
+    module = sys.modules[owner.__module__]
+    todo = [getattr(owner, root, None) or getattr(module, root) for root in roots]
+    seen: set[types.CodeType] = set()
+    names: set[str] = set()
+    while todo:
+        codes = [inspect.unwrap(todo.pop()).__code__]
+        while codes:
+            code = codes.pop()
+            if code in seen:
+                continue
+            seen.add(code)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            for name in code.co_names:
+                names.add(name)
+                target = inspect.unwrap(getattr(owner, name, None) or getattr(module, name, None) or len)
+                if inspect.isfunction(target) and target.__module__ == module.__name__:
+                    todo.append(target)
+    return names
+
+
+def test_a_cuda_ring_read_into_a_store_of_rows_as_captured_names_no_torch() -> None:
+    """What the consumer calls on a CUDA ring for rows kept as captured (opening it, the RingReader interface) and
+    CUDA's early start reach no torch; the GPU fp8 path's views do (the check sees a lazy import)."""
+    interface = [name for name, value in vars(RingReader).items() if inspect.isfunction(value)]
+    assert {"begin", "copy_into", "mark", "done", "allocate", "close"} <= set(interface)
+    assert "torch" not in names_reached(cuda_ring.CudaRingReader, "__init__", *interface)
+    assert "torch" not in names_reached(cuda_ring.CudaRingReader, "start_cuda", "device_uuid")
+    for fp8_view in ("device_bytes", "torch_stream", "copy_from_device"):
+        assert "torch" in names_reached(cuda_ring.CudaRingReader, fp8_view), fp8_view
 
 
 def test_a_shard_written_while_the_crc_kernel_compiles_is_checksummed_by_zlib(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -316,6 +317,42 @@ def test_fp8_store_from_a_cuda_ring_is_quantized_on_the_gpu(
         for name, count in line.get("nonfinite", {}).items():
             counted[name] = counted.get(name, 0) + count
     assert counted == {"layer_1": 3, "layer_2": 1 + HIDDEN, "layer_3": 1}
+    assert verify_store(store_dir).ok
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_a_consumer_of_a_cuda_ring_stores_rows_bitwise_without_importing_torch(
+    tmp_path: Path, endpoint: str, logged_consumer: Callable[..., LoggedConsumer]
+) -> None:
+    """A real ``hscapture consume`` keeping a CUDA ring's rows as captured stores them bit for bit (NaN payloads
+    and all) and never imports torch: Python's own log of every import (``PYTHONPROFILEIMPORTTIME``) names cupy,
+    which it read the ring with, and no torch module."""
+    pytest.importorskip("cupy")
+    rows = special_rows(torch.bfloat16, tensors=4, n=60, hidden=HIDDEN)
+    store_dir = tmp_path / "store"
+    logging_imports = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    consumer = logged_consumer(endpoint, "--exit-on-eos", "--shard-bytes", "64K", out=store_dir, env=logging_imports)
+    producer = producer_for(gpu_config(endpoint))
+    wait_attached(producer)
+    states = [plane.cuda() for plane in rows]
+    spans = [(0, 20), (20, 45), (45, 60)]
+    for step, (begin, end) in enumerate(spans):
+        request_id = f"r{step}"
+        producer.capture_step([s[begin:end] for s in states], [request_id], [end - begin],
+                              np.arange(end - begin), np.arange(begin, end))  # fmt: skip
+        producer.finish_request(request_id, num_tokens=end - begin)
+    producer.close()
+    assert consumer.wait_exit(60) == 0, consumer.stderr()[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in consumer.lines() if line.startswith("import time:")}
+    assert "cupy" in imported and "hscapture.ring.cuda" in imported, "no import log in the consumer's stderr"
+    assert not {m for m in imported if m.split(".")[0] == "torch"}, "the consumer imported torch"
+    store = open_store(store_dir)
+    assert not store.quantized and sorted(store.keys(complete_only=True)) == ["r0", "r1", "r2"]
+    for step, (begin, end) in enumerate(spans):
+        sample = store.get(f"r{step}")
+        for t, name in enumerate(NAMES):
+            assert torch.equal(sample[name].view(torch.int16), rows[t, begin:end].view(torch.int16)), (step, name)
     assert verify_store(store_dir).ok
 
 

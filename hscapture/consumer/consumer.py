@@ -45,13 +45,13 @@ from hscapture.store.records import Finish
 from hscapture.store.writer import Reservation, RowGeometry, StoreWriter
 from hscapture.transport import ConsumerSockets, client_credentials, read_token
 
-if TYPE_CHECKING:  # torch comes in with a CUDA ring or an fp8 store: a bf16 store of a host ring never imports it
+if TYPE_CHECKING:  # torch comes in with an fp8 store alone: rows kept as captured never import it, from any ring
     from hscapture.consumer.device_fp8 import DeviceQuantizer
     from hscapture.consumer.host_fp8 import HostQuantizer
 
 log = logging.getLogger(__name__)
 
-#: Present on a host with an NVIDIA driver: the consumer then starts CUDA (and imports torch) before its hello.
+#: Present on a host with an NVIDIA driver: the consumer then starts CUDA before its hello.
 NVIDIA_CONTROL = "/dev/nvidiactl"
 
 #: Messages handled per poll wake-up before housekeeping runs again.
@@ -118,11 +118,8 @@ class Consumer:
         self.consumer_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # First, so that missing keys or a foreign socket directory fail at once, before a store is touched.
         curve = client_credentials(config.endpoint, config.keys, config.producer_key)
-        if os.path.exists(NVIDIA_CONTROL):  # a GPU host: a CUDA ring then opens in a millisecond, not a second
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.init()
+        if os.path.exists(NVIDIA_CONTROL):  # a GPU host: a CUDA ring then opens in milliseconds, not a second
+            _start_cuda(config.store_dtype)
         self.stats = ConsumerStats()
         self.store: StoreWriter | None = None
         if not config.discard:
@@ -557,6 +554,25 @@ class Consumer:
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+
+
+def _start_cuda(store_dtype: str | None) -> None:
+    """Start CUDA before the hello, so it is done by the time a layout comes (while the producer's engine loads,
+    when ``extract`` launches this consumer), and before the store's writer threads compile their kernels.
+
+    Rows kept as captured are read with cupy alone (:func:`hscapture.ring.cuda.start_cuda`: no torch, whose import
+    was most of this consumer's start on the H200). An fp8 store quantizes a CUDA ring's rows with torch: it
+    imports torch here, as those rows will need it.
+    """
+    if store_dtype is None:
+        from hscapture.ring.cuda import start_cuda
+
+        start_cuda()
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.init()
 
 
 def _check_layout(layout: protocol.Layout) -> None:

@@ -35,7 +35,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The CUDA ring's classes, imported on first use (with torch and cupy): a host ring's reader needs neither."""
+    """The CUDA ring's classes, imported on first use (they need cupy, the producer's torch too): a host ring's
+    reader needs neither."""
     if name in ("CudaRing", "CudaRingReader"):
         from hscapture.ring import cuda
 

@@ -10,38 +10,35 @@ Rules this module follows (DESIGN.md, each learned the hard way):
 * The consumer opens the handle and events once per run, waits on a slot's event on its own
   non-blocking stream, copies by DMA into pinned host memory, and closes the handle before the
   producer frees the ring (the producer waits for every release at close).
+
+torch is imported where a tensor is made: by the producer (the engine has it) and by the reader's
+views for the GPU fp8 path (:meth:`CudaRingReader.device_bytes`). A consumer keeping rows as captured
+reads the ring with cupy's runtime alone: importing torch was most of its start on the H200.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import uuid
 from collections.abc import Callable
-from functools import partial
-from typing import Any
+from functools import cache, partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from hscapture.errors import HSCaptureError, ProtocolError
 from hscapture.ring.base import Ring, RingReader
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 ALIGN = 2 << 20  # cudaMalloc granularity for IPC-friendly allocations
 #: Free device memory left untouched when sizing checks run.
 HEADROOM = 256 << 20
-
-
-def _current_stream(device: torch.device) -> int:
-    """The raw handle of ``device``'s current stream, read every step: skip building a Stream object."""
-    if _RAW_STREAM is not None:
-        return _RAW_STREAM(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-#: torch's own fast path to the current stream's handle (what its compiled kernels use).
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _cupy() -> Any:
@@ -54,13 +51,61 @@ def _cupy() -> Any:
     return cupy
 
 
+@cache
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver's library (the runtime has loaded it already in a process that uses CUDA)."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise HSCaptureError(f"the CUDA ring needs the NVIDIA driver's libcuda.so.1: {exc}") from None
+
+
 def device_uuid(index: int) -> str:
-    """The device's UUID: the same GPU under any CUDA_VISIBLE_DEVICES numbering."""
-    return str(torch.cuda.get_device_properties(index).uuid)
+    """The UUID of CUDA device ``index`` (this process's numbering) as torch spells it,
+    ``e13e4eb8-d46f-2c0a-6cc8-0a0bfad03dec``: the same GPU under any CUDA_VISIBLE_DEVICES numbering.
+
+    The producer describes its ring's device with it and the consumer finds that device with it, so both
+    spell it alike. Read from the driver: cupy's ``getDeviceProperties(i)["uuid"]`` is the ``char[16]``
+    converted as a C string, cut at the UUID's first zero byte.
+
+    Raises:
+        HSCaptureError: no driver, or it cannot name device ``index``.
+    """
+    driver = _driver()
+    get_uuid = getattr(driver, "cuDeviceGetUuid_v2", None) or driver.cuDeviceGetUuid  # v2: CUDA >= 11.4
+    device, raw = ctypes.c_int(), (ctypes.c_ubyte * 16)()
+    _check_driver(driver.cuInit(0), "cuInit", index)  # idempotent: done already where the runtime ran
+    _check_driver(driver.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet", index)
+    _check_driver(get_uuid(raw, device), "cuDeviceGetUuid", index)
+    return str(uuid.UUID(bytes=bytes(raw)))
+
+
+def _check_driver(status: int, call: str, index: int) -> None:
+    if status != 0:
+        raise HSCaptureError(f"device {index}: the CUDA driver's {call} failed with error {status}")
+
+
+def start_cuda() -> None:
+    """Start CUDA for a consumer that may open a CUDA ring, without torch: load cupy, start the driver (~0.2 s on the
+    H200) and, where one GPU is visible (a CUDA ring can only be on it), make its primary context (~0.1 s; a
+    consumer that then gets a host ring holds it too).
+
+    Done on the consumer's own thread, before its writer threads start: beside a thread busy in Python (numba
+    compiling), a thread importing cupy waits for the GIL after each file it reads, seconds in all.
+    A failure is left for the ring's open to report.
+    """
+    try:
+        runtime = _cupy().cuda.runtime
+        if runtime.getDeviceCount() == 1:
+            runtime.free(0)  # cudaFree(NULL) makes the current device's (device 0's) primary context
+    except Exception as exc:  # no driver, no GPU, no cupy: the ring's open says so, if a CUDA ring comes
+        log.debug("CUDA not started before the hello: %s", exc)
 
 
 def check_device(device: torch.device, nbytes: int) -> None:
     """Start-up checks with clear errors: a GPU exists and has room for the ring."""
+    import torch
+
     if not torch.cuda.is_available():
         raise HSCaptureError(
             "device: no CUDA GPU is visible to this process; capture on a CPU engine uses the host ring "
@@ -89,6 +134,8 @@ class CudaRing(Ring):
     """
 
     def __init__(self, num_slots: int, slot_bytes: int, device: torch.device) -> None:
+        import torch
+
         self.nbytes = -(-num_slots * slot_bytes // ALIGN) * ALIGN
         check_device(device, self.nbytes)
         cupy = _cupy()
@@ -97,6 +144,10 @@ class CudaRing(Ring):
         self.slot_bytes = slot_bytes
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self._runtime = runtime
+        self._capturing = torch.cuda.is_current_stream_capturing
+        #: torch's own fast path to the current stream's handle (what its compiled kernels use).
+        self._raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._uuid = device_uuid(self.device.index)  # before the allocations: a failure here leaves none behind
         with cupy.cuda.Device(self.device.index):
             self._ptr = runtime.malloc(self.nbytes)
             flags = runtime.eventDisableTiming | runtime.eventInterprocess
@@ -116,25 +167,30 @@ class CudaRing(Ring):
 
     def mark_written(self, index: int, stream: int | None = None) -> None:
         """Record slot ``index``'s IPC event on ``stream`` (default: the current one), after the writes queued there."""
-        if torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             raise HSCaptureError(
                 "mark_written: called inside CUDA graph capture; record the slot's event after the replay "
                 "(the producer's capture_step and announce_step do)"
             )
-        self._runtime.eventRecord(self._events[index], _current_stream(self.device) if stream is None else stream)
+        self._runtime.eventRecord(self._events[index], self.current_stream() if stream is None else stream)
 
     def current_stream(self) -> int:
-        return _current_stream(self.device)
+        """The raw handle of the device's current stream, read every step: no Stream object is built."""
+        if self._raw_stream is not None:
+            return self._raw_stream(self.device.index)
+        import torch
+
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     def stream_reader(self) -> Callable[[], int]:
-        if _RAW_STREAM is not None:  # torch's own C call, no Python frame in between
-            return partial(_RAW_STREAM, self.device.index)
+        if self._raw_stream is not None:  # torch's own C call, no Python frame in between
+            return partial(self._raw_stream, self.device.index)
         return self.current_stream
 
     def describe(self) -> dict[str, Any]:
         return {
             "backend": "cuda",
-            "device_uuid": device_uuid(self.device.index),
+            "device_uuid": self._uuid,
             "handle": self._handle,
             "events": self._event_handles,
             "nbytes": self.nbytes,
@@ -143,6 +199,8 @@ class CudaRing(Ring):
     def close(self) -> None:
         if self._closed:
             return
+        import torch
+
         self._closed = True
         self._bytes = None
         torch.cuda.synchronize(self.device)  # no queued write may touch memory about to be freed
@@ -152,7 +210,11 @@ class CudaRing(Ring):
 
 
 class CudaRingReader(RingReader):
-    """Consumer side: opens the IPC handle and events once; copies on its own stream."""
+    """Consumer side: opens the IPC handle and events once; copies on its own stream.
+
+    Copies, events and pinned memory go through cupy's runtime alone; torch is imported only by the views the
+    GPU fp8 path works on (:meth:`device_bytes`, :meth:`torch_stream`, :meth:`copy_from_device`).
+    """
 
     def __init__(self, description: dict[str, Any]) -> None:
         cupy = _cupy()
@@ -168,16 +230,15 @@ class CudaRingReader(RingReader):
             try:
                 self._ptr = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
                 self._events = [runtime.ipcOpenEventHandle(h) for h in events]
-            except cupy.cuda.runtime.CUDARuntimeError as exc:
+            except runtime.CUDARuntimeError as exc:
                 raise HSCaptureError(
                     f"CUDA IPC: cannot open the producer's ring ({exc}); CUDA IPC may not be permitted in this "
                     "container (it needs the same IPC namespace and no --ipc=private), or the producer exited"
                 ) from None
             self._stream = cupy.cuda.Stream(non_blocking=True)
-            memory = cupy.cuda.UnownedMemory(self._ptr, nbytes, None, self.device)  # closed by close()
-            array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
-            self._bytes = torch.as_tensor(array, device=torch.device("cuda", self.device))
             self._warm_up()
+        #: The ring as a uint8 torch tensor, made by the first :meth:`device_bytes` (the GPU fp8 path).
+        self._tensor: torch.Tensor | None = None
         self._wait_on_host = os.environ.get("HSCAPTURE_IPC_WAIT", "host") != "stream"
         self._closed = False
 
@@ -189,17 +250,22 @@ class CudaRingReader(RingReader):
         )
         self._stream.synchronize()
 
-    @staticmethod
-    def _find_device(uuid: str) -> int:
-        if not torch.cuda.is_available():
+    def _find_device(self, wanted: str) -> int:
+        """This process's number of the GPU whose :func:`device_uuid` is ``wanted``."""
+        runtime = self._runtime
+        try:
+            count = runtime.getDeviceCount()
+        except runtime.CUDARuntimeError:  # cudaErrorNoDevice, cudaErrorInsufficientDriver, ...
+            count = 0
+        if count == 0:
             raise HSCaptureError("the producer uses a CUDA ring but this consumer sees no GPU; run it on the same host")
-        visible = [device_uuid(i) for i in range(torch.cuda.device_count())]
-        if uuid not in visible:
+        visible = [device_uuid(i) for i in range(count)]
+        if wanted not in visible:
             raise HSCaptureError(
-                f"the producer's GPU {uuid} is not visible to this consumer (it sees {visible}); "
+                f"the producer's GPU {wanted} is not visible to this consumer (it sees {visible}); "
                 "give the consumer the same GPU (CUDA_VISIBLE_DEVICES)"
             )
-        return visible.index(uuid)
+        return visible.index(wanted)
 
     def begin(self, slot: int) -> None:
         """Order the following copies after the producer's writes to ``slot``.
@@ -222,10 +288,12 @@ class CudaRingReader(RingReader):
     def device_bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` of the ring at ``offset`` as a uint8 tensor on its GPU (a view, no copy)."""
         self._check_range(offset, nbytes)
-        return self._bytes[offset : offset + nbytes]
+        return self._ring_tensor()[offset : offset + nbytes]
 
     def torch_stream(self) -> torch.cuda.ExternalStream:
         """This reader's copy stream, as torch sees it."""
+        import torch
+
         return torch.cuda.ExternalStream(self._stream.ptr, device=torch.device("cuda", self.device))
 
     def launch(self, kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
@@ -235,12 +303,25 @@ class CudaRingReader(RingReader):
 
     def copy_from_device(self, src: torch.Tensor, dst: np.ndarray) -> None:
         """Copy the contiguous device tensor ``src`` (e.g. rows worked on) into ``dst`` on this reader's stream."""
-        if not src.is_contiguous() or src.nbytes != dst.nbytes or src.device != self._bytes.device:
+        ring = self._ring_tensor()
+        if not src.is_contiguous() or src.nbytes != dst.nbytes or src.device != ring.device:
             raise ValueError(
                 f"copy_from_device: {src.nbytes} bytes of {src.device} into {dst.nbytes}; want contiguous "
-                f"bytes on {self._bytes.device}, as many as dst holds"
+                f"bytes on {ring.device}, as many as dst holds"
             )
         self._to_host(src.data_ptr(), dst)
+
+    def _ring_tensor(self) -> torch.Tensor:
+        """The whole ring as a uint8 torch tensor (made once, on first use: it imports torch)."""
+        if self._tensor is None:
+            import torch
+
+            cupy = _cupy()
+            with self._device:
+                memory = cupy.cuda.UnownedMemory(self._ptr, self.nbytes, None, self.device)  # closed by close()
+                array = cupy.ndarray((self.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+                self._tensor = torch.as_tensor(array, device=torch.device("cuda", self.device))
+        return self._tensor
 
     def _check_range(self, offset: int, nbytes: int) -> None:
         if offset < 0 or offset + nbytes > self.nbytes:
@@ -252,8 +333,10 @@ class CudaRingReader(RingReader):
     def mark(self) -> Any:
         """An event after the copies issued so far; the slot may be released once it completes."""
         # Blocking sync: a consumer waiting for its oldest copy sleeps instead of spinning a core.
-        event = self._runtime.eventCreateWithFlags(self._runtime.eventDisableTiming | self._runtime.eventBlockingSync)
-        self._runtime.eventRecord(event, self._stream.ptr)
+        flags = self._runtime.eventDisableTiming | self._runtime.eventBlockingSync
+        with self._device:  # an event records only on a stream of its own device, and may not be current here
+            event = self._runtime.eventCreateWithFlags(flags)
+            self._runtime.eventRecord(event, self._stream.ptr)
         return event
 
     def done(self, token: Any) -> bool:
@@ -280,7 +363,7 @@ class CudaRingReader(RingReader):
         try:
             with self._device:
                 self._stream.synchronize()
-                del self._bytes
+                self._tensor = None
                 for event in self._events:
                     self._runtime.eventDestroy(event)
                 self._runtime.ipcCloseMemHandle(self._ptr)
