@@ -352,8 +352,10 @@ class CudaRingReader(RingReader):
         self._stream.synchronize()
 
     def allocate(self, nbytes: int) -> np.ndarray:
-        """Pinned host memory, so the DMA engine copies straight into it."""
-        memory = _cupy().cuda.alloc_pinned_memory(nbytes)
+        """Pinned host memory, so the DMA engine copies straight into it; from any thread (the ring's device is
+        made current for the call: a thread with none would start a context on device 0)."""
+        with self._device:
+            memory = _cupy().cuda.alloc_pinned_memory(nbytes)
         return np.frombuffer(memory, dtype=np.uint8, count=nbytes)
 
     def close(self) -> None:
