@@ -146,10 +146,12 @@ def test_a_cuda_ring_read_into_a_store_of_rows_as_captured_names_no_torch() -> N
     CUDA's early start reach no torch; the GPU fp8 path's views do (the check sees a lazy import)."""
     interface = [name for name, value in vars(RingReader).items() if inspect.isfunction(value)]
     assert {"begin", "copy_into", "mark", "done", "allocate", "close"} <= set(interface)
-    assert "torch" not in names_reached(cuda_ring.CudaRingReader, "__init__", *interface)
-    assert "torch" not in names_reached(cuda_ring.CudaRingReader, "start_cuda", "device_uuid")
+    for bf16_path in (names_reached(cuda_ring.CudaRingReader, "__init__", *interface),
+                      names_reached(cuda_ring.CudaRingReader, "start_cuda", "device_uuid")):  # fmt: skip
+        assert not {"torch", "_cupy"} & bf16_path  # cupy's runtime bindings only (~15 ms to import, cupy ~0.7 s)
     for fp8_view in ("device_bytes", "torch_stream", "copy_from_device"):
         assert "torch" in names_reached(cuda_ring.CudaRingReader, fp8_view), fp8_view
+    assert "_cupy" in names_reached(cuda_ring.CudaRingReader, "launch")
 
 
 def test_a_shard_written_while_the_crc_kernel_compiles_is_checksummed_by_zlib(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,11 +13,13 @@ Rules this module follows (DESIGN.md, each learned the hard way):
 
 torch is imported where a tensor is made: by the producer (the engine has it) and by the reader's
 views for the GPU fp8 path (:meth:`CudaRingReader.device_bytes`). A consumer keeping rows as captured
-reads the ring with cupy's runtime alone: importing torch was most of its start on the H200.
+reads the ring with cupy's CUDA runtime bindings alone (``cupy_backends.cuda.api.runtime``, ~15 ms to
+import, where ``import cupy`` took ~0.7 s and ``import torch`` ~3 s of a cold consumer's start on the H200).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -39,6 +41,55 @@ log = logging.getLogger(__name__)
 ALIGN = 2 << 20  # cudaMalloc granularity for IPC-friendly allocations
 #: Free device memory left untouched when sizing checks run.
 HEADROOM = 256 << 20
+
+
+def _runtime() -> Any:
+    """cupy's bindings of the CUDA runtime, without the rest of cupy (they import in ~15 ms)."""
+    try:
+        from cupy_backends.cuda.api import runtime
+    except ImportError as exc:
+        raise HSCaptureError(
+            f"the CUDA ring needs cupy ({exc}); install it with `pip install 'hscapture[cuda]'`"
+        ) from None
+    return runtime
+
+
+class _OnDevice:
+    """``with``: CUDA device ``index`` current on this thread, the one before restored after."""
+
+    def __init__(self, runtime: Any, index: int) -> None:
+        self._runtime, self._index, self._before = runtime, index, index
+
+    def __enter__(self) -> None:
+        self._before = self._runtime.getDevice()
+        if self._before != self._index:
+            self._runtime.setDevice(self._index)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._before != self._index:
+            self._runtime.setDevice(self._before)
+
+
+class _Pinned:
+    """Page-locked host memory (``cudaHostAlloc``), freed when the last array viewing it goes."""
+
+    def __init__(self, runtime: Any, nbytes: int) -> None:
+        self._runtime = runtime
+        self.ptr = runtime.hostAlloc(nbytes, runtime.hostAllocPortable)
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the runtime may be gone with the process
+            self._runtime.freeHost(self.ptr)
+
+
+class _DeviceBytes:
+    """``nbytes`` of device memory at ``ptr`` as ``__cuda_array_interface__``, for ``torch.as_tensor``."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "stream": None,
+        }  # fmt: skip
 
 
 def _cupy() -> Any:
@@ -86,16 +137,16 @@ def _check_driver(status: int, call: str, index: int) -> None:
 
 
 def start_cuda() -> None:
-    """Start CUDA for a consumer that may open a CUDA ring, without torch: load cupy, start the driver (~0.2 s on the
-    H200) and, where one GPU is visible (a CUDA ring can only be on it), make its primary context (~0.1 s; a
-    consumer that then gets a host ring holds it too).
+    """Start CUDA for a consumer that may open a CUDA ring, without torch: load cupy's runtime bindings, start the
+    driver (~0.2 s on the H200) and, where one GPU is visible (a CUDA ring can only be on it), make its primary
+    context (~0.1 s; a consumer that then gets a host ring holds it too).
 
     Done on the consumer's own thread, before its writer threads start: beside a thread busy in Python (numba
     compiling), a thread importing cupy waits for the GIL after each file it reads, seconds in all.
     A failure is left for the ring's open to report.
     """
     try:
-        runtime = _cupy().cuda.runtime
+        runtime = _runtime()
         if runtime.getDeviceCount() == 1:
             runtime.free(0)  # cudaFree(NULL) makes the current device's (device 0's) primary context
     except Exception as exc:  # no driver, no GPU, no cupy: the ring's open says so, if a CUDA ring comes
@@ -212,20 +263,20 @@ class CudaRing(Ring):
 class CudaRingReader(RingReader):
     """Consumer side: opens the IPC handle and events once; copies on its own stream.
 
-    Copies, events and pinned memory go through cupy's runtime alone; torch is imported only by the views the
-    GPU fp8 path works on (:meth:`device_bytes`, :meth:`torch_stream`, :meth:`copy_from_device`).
+    Copies, events, its stream and pinned memory go through cupy's runtime bindings alone; torch and cupy are
+    imported only for the GPU fp8 path (:meth:`device_bytes`, :meth:`torch_stream`, :meth:`copy_from_device`,
+    :meth:`launch`).
     """
 
     def __init__(self, description: dict[str, Any]) -> None:
-        cupy = _cupy()
-        runtime = cupy.cuda.runtime
+        runtime = _runtime()
         self._runtime = runtime
         handle, events, nbytes = description.get("handle"), description.get("events"), description.get("nbytes")
         if not isinstance(handle, bytes) or not isinstance(events, list) or not isinstance(nbytes, int):
             raise ProtocolError(f"Layout.ring: not a CUDA ring description: {sorted(description)}")
         self.nbytes = nbytes
         self.device = self._find_device(str(description.get("device_uuid")))
-        self._device = cupy.cuda.Device(self.device)
+        self._device = _OnDevice(runtime, self.device)
         with self._device:
             try:
                 self._ptr = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
@@ -235,8 +286,9 @@ class CudaRingReader(RingReader):
                     f"CUDA IPC: cannot open the producer's ring ({exc}); CUDA IPC may not be permitted in this "
                     "container (it needs the same IPC namespace and no --ipc=private), or the producer exited"
                 ) from None
-            self._stream = cupy.cuda.Stream(non_blocking=True)
+            self._stream: int = runtime.streamCreateWithFlags(runtime.streamNonBlocking)
             self._warm_up()
+        self._kernel_stream: Any = None  # cupy's view of the stream, made by the first launch
         #: The ring as a uint8 torch tensor, made by the first :meth:`device_bytes` (the GPU fp8 path).
         self._tensor: torch.Tensor | None = None
         self._wait_on_host = os.environ.get("HSCAPTURE_IPC_WAIT", "host") != "stream"
@@ -246,9 +298,9 @@ class CudaRingReader(RingReader):
         """One small copy before the consumer confirms: first-touch costs of the mapping land here."""
         probe = self.allocate(min(self.nbytes, 4096))
         self._runtime.memcpyAsync(
-            probe.ctypes.data, self._ptr, probe.nbytes, self._runtime.memcpyDeviceToHost, self._stream.ptr
+            probe.ctypes.data, self._ptr, probe.nbytes, self._runtime.memcpyDeviceToHost, self._stream
         )
-        self._stream.synchronize()
+        self._runtime.streamSynchronize(self._stream)
 
     def _find_device(self, wanted: str) -> int:
         """This process's number of the GPU whose :func:`device_uuid` is ``wanted``."""
@@ -276,7 +328,7 @@ class CudaRingReader(RingReader):
         if self._wait_on_host:
             self._runtime.eventSynchronize(self._events[slot])
         else:
-            self._runtime.streamWaitEvent(self._stream.ptr, self._events[slot], 0)
+            self._runtime.streamWaitEvent(self._stream, self._events[slot], 0)
 
     def copy_into(self, offset: int, dst: np.ndarray) -> None:
         self._check_range(offset, dst.nbytes)
@@ -294,11 +346,14 @@ class CudaRingReader(RingReader):
         """This reader's copy stream, as torch sees it."""
         import torch
 
-        return torch.cuda.ExternalStream(self._stream.ptr, device=torch.device("cuda", self.device))
+        return torch.cuda.ExternalStream(self._stream, device=torch.device("cuda", self.device))
 
     def launch(self, kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
         """Queue a cupy kernel on this reader's stream (ordered like :meth:`torch_stream`'s work)."""
-        with self._device, self._stream:
+        cupy = _cupy()
+        if self._kernel_stream is None:
+            self._kernel_stream = cupy.cuda.ExternalStream(self._stream, self.device)
+        with cupy.cuda.Device(self.device), self._kernel_stream:
             kernel(grid, block, args)
 
     def copy_from_device(self, src: torch.Tensor, dst: np.ndarray) -> None:
@@ -316,11 +371,8 @@ class CudaRingReader(RingReader):
         if self._tensor is None:
             import torch
 
-            cupy = _cupy()
-            with self._device:
-                memory = cupy.cuda.UnownedMemory(self._ptr, self.nbytes, None, self.device)  # closed by close()
-                array = cupy.ndarray((self.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
-                self._tensor = torch.as_tensor(array, device=torch.device("cuda", self.device))
+            ring = _DeviceBytes(self._ptr, self.nbytes)  # the mapping is closed by close()
+            self._tensor = torch.as_tensor(ring, device=torch.device("cuda", self.device))
         return self._tensor
 
     def _check_range(self, offset: int, nbytes: int) -> None:
@@ -328,7 +380,7 @@ class CudaRingReader(RingReader):
             raise ProtocolError(f"Chunk: bytes {offset}..{offset + nbytes} fall outside the ring of {self.nbytes}")
 
     def _to_host(self, src: int, dst: np.ndarray) -> None:
-        self._runtime.memcpyAsync(dst.ctypes.data, src, dst.nbytes, self._runtime.memcpyDeviceToHost, self._stream.ptr)
+        self._runtime.memcpyAsync(dst.ctypes.data, src, dst.nbytes, self._runtime.memcpyDeviceToHost, self._stream)
 
     def mark(self) -> Any:
         """An event after the copies issued so far; the slot may be released once it completes."""
@@ -336,7 +388,7 @@ class CudaRingReader(RingReader):
         flags = self._runtime.eventDisableTiming | self._runtime.eventBlockingSync
         with self._device:  # an event records only on a stream of its own device, and may not be current here
             event = self._runtime.eventCreateWithFlags(flags)
-            self._runtime.eventRecord(event, self._stream.ptr)
+            self._runtime.eventRecord(event, self._stream)
         return event
 
     def done(self, token: Any) -> bool:
@@ -349,14 +401,13 @@ class CudaRingReader(RingReader):
         self._runtime.eventSynchronize(token)
 
     def complete(self) -> None:
-        self._stream.synchronize()
+        self._runtime.streamSynchronize(self._stream)
 
     def allocate(self, nbytes: int) -> np.ndarray:
         """Pinned host memory, so the DMA engine copies straight into it; from any thread (the ring's device is
         made current for the call: a thread with none would start a context on device 0)."""
         with self._device:
-            memory = _cupy().cuda.alloc_pinned_memory(nbytes)
-        return np.frombuffer(memory, dtype=np.uint8, count=nbytes)
+            return np.asarray(_Pinned(self._runtime, nbytes))
 
     def close(self) -> None:
         if self._closed:
@@ -364,10 +415,11 @@ class CudaRingReader(RingReader):
         self._closed = True
         try:
             with self._device:
-                self._stream.synchronize()
-                self._tensor = None
+                self._runtime.streamSynchronize(self._stream)
+                self._tensor = self._kernel_stream = None
                 for event in self._events:
                     self._runtime.eventDestroy(event)
                 self._runtime.ipcCloseMemHandle(self._ptr)
+                self._runtime.streamDestroy(self._stream)
         except Exception as exc:  # teardown: log, never raise
             log.warning("closing the CUDA ring: %s", exc)
