@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -229,9 +228,7 @@ class StoreWriter:
         self._buffers_made = 0
         #: Buffers made and not touched yet, the background toucher's work; a reservation that finds no touched
         #: buffer free takes one of these at once (its first writes fault) rather than wait.
-        #: Buffers counted as made and not allocated yet: each made (and touched) by the toucher, or by rows that
-        #: need one before it gets there.
-        self._untouched: list[Callable[[], ShardBuffer]] = []
+        self._untouched: list[ShardBuffer] = []
         self._untouched_lock = threading.Lock()
         self._toucher: threading.Thread | None = None
         self._buffers_quantized = False
@@ -358,33 +355,31 @@ class StoreWriter:
         self._prepare(quantized, ready)
 
     def _prepare(self, quantized: bool, ready: bool) -> None:
-        """Make the shard buffers missing: allocated (pinned, where the ring's copies go: ~0.1 s a 256 MiB buffer on
-        the H200) and touched (a fresh page faults on its first write: never under the rows).
+        """Make the shard buffers missing: allocated on this thread (pinned memory is pinned where the ring's copies
+        are issued) and touched (a fresh page faults on its first write: never under the rows).
 
-        ``ready`` (:meth:`begin_run`): return once all are made and touched, side by side on the writer threads, and
-        the row checksums and the quantizer are compiled. Else return once the first is made and touched: the others
-        are made and touched one after another on a thread of their own at the lowest CPU priority, each free for
-        rows once touched, and the compiles run on the writer threads (shards written before the checksums' kernel is
+        ``ready`` (:meth:`begin_run`): return once all are touched, side by side on the writer threads, and the
+        row checksums and the quantizer are compiled. Else return once the first is touched: the others are
+        touched one after another on a thread of their own at the lowest CPU priority, each free for rows once
+        touched, and the compiles run on the writer threads (shards written before the checksums' kernel is
         built use zlib, the same bits; a writer's first quantized shard waits for the quantizer). Waiting for
         all of it took seconds of a 2-core host's start-up before a producer could send a row.
         """
         run = self._require_run()
-        missing = self.shard_buffers - self._buffers_made
+        fresh = [self._new_buffer(run) for _ in range(self.shard_buffers - self._buffers_made)]
         quantizer = self._pool.submit(host_kernels) if self.fp8 and not quantized else None
         if ready:
-            fresh = [self._new_buffer(run) for _ in range(missing)]
             for buffer in self._pool.map(touch, fresh):
                 self._free.put(buffer)
             crc_kernel()
             if quantizer is not None:
                 quantizer.result()
             return
-        if missing > 0:
-            self._free.put(touch(self._new_buffer(run)))
-        if missing > 1:
-            self._buffers_made += missing - 1
+        if fresh:
+            self._free.put(touch(fresh[0]))
+        if fresh[1:]:
             with self._untouched_lock:
-                self._untouched.extend([partial(self._buffer, run)] * (missing - 1))
+                self._untouched.extend(fresh[1:])
             self._toucher = threading.Thread(target=self._touch_untouched, name="hscapture-touch", daemon=True)
             self._toucher.start()
 
@@ -397,13 +392,7 @@ class StoreWriter:
             with self._untouched_lock:
                 if not self._untouched:
                     return
-                make = self._untouched.pop(0)
-            try:
-                buffer = make()
-            except BaseException:  # never made: counted so (rows that need a buffer make their own)
-                with self._untouched_lock:
-                    self._buffers_made -= 1
-                raise
+                buffer = self._untouched.pop(0)
             try:
                 touch(buffer)
             finally:  # untouched if it failed: slower first writes, never a buffer lost
@@ -419,10 +408,9 @@ class StoreWriter:
             self._toucher = None
 
     def _take_untouched(self) -> ShardBuffer | None:
-        """A buffer the toucher has not reached yet, made now, for rows that need one now."""
+        """A buffer the toucher has not reached yet, for rows that need one now."""
         with self._untouched_lock:
-            make = self._untouched.pop() if self._untouched else None
-        return None if make is None else make()
+            return self._untouched.pop() if self._untouched else None
 
     def _sizes(self) -> tuple[int, int]:
         """Writer threads and shard buffers: as asked, else by how row planes go out now."""
@@ -654,12 +642,8 @@ class StoreWriter:
         return self._free.get()  # every buffer is being written: the disk sets the pace
 
     def _new_buffer(self, run: _Run) -> ShardBuffer:
-        """A buffer for ``run``'s rows, its pages not touched yet, counted as made."""
-        self._buffers_made += 1
-        return self._buffer(run)
-
-    def _buffer(self, run: _Run) -> ShardBuffer:
         """A buffer for ``run``'s rows, its pages not touched yet."""
+        self._buffers_made += 1
         geometry = run.geometry
         plane_row_bytes = geometry.hidden_size if run.quantized else geometry.plane_row_bytes  # codes: a byte each
         return new_buffer(
