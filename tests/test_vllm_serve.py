@@ -107,9 +107,12 @@ def _consumers(pid: int) -> list[int]:
 
 
 class Serve:
-    """``hscapture serve --engine vllm`` in its own session (as a shell runs it), its stderr kept line by line."""
+    """``hscapture serve --engine vllm`` in its own session (as a shell runs it), its stderr kept line by line;
+    capturing a ``sample_rate`` share of the requests (``--sample-rate``; None: every one)."""
 
-    def __init__(self, model: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, model: Path, out: Path, *extra: str, env: dict[str, str] | None = None, sample_rate: float | None = RATE
+    ) -> None:
         self.port, self.out, self.model = _free_port(), out, model
         # --flush-s: what the consumer killed below has copied out is on disk within half a second
         command = [
@@ -123,9 +126,9 @@ class Serve:
             str(out),
             "--flush-s",
             "0.5",
-            "--sample-rate",
-            str(RATE),
         ]
+        if sample_rate is not None:
+            command += ["--sample-rate", str(sample_rate)]
         command += ["--"]
         command += [str(model), "--port", str(self.port), "--enforce-eager", "--max-num-seqs", "8"]
         command += ["--max-num-batched-tokens", "64", "--enable-prefix-caching", "--uvicorn-log-level", "warning"]
@@ -363,7 +366,8 @@ def test_data_parallel_ranks_publish_one_stream_each(tiny_model: Path, tmp_path:
     model's DP ranks share nothing); each rank's worker publishes its own stream, which ``serve`` stores in
     ``DIR/dp<rank>``. Each prompt is sent twice: wherever the two land, their prompt rows agree."""
     results: dict[str, dict] = {}
-    serving = Serve(tiny_model, tmp_path / "live", "--data-parallel-size", "2", env=vllm_rank_cores(2))
+    cores = vllm_rank_cores(2)
+    serving = Serve(tiny_model, tmp_path / "live", "--data-parallel-size", "2", env=cores, sample_rate=None)
     with _running(serving) as serve:
         bodies = [
             _chat(serve, f"{twin}-{i}", (WORDS * 2)[: 20 + 15 * i], max_tokens=4) for i in range(4) for twin in "xy"
