@@ -24,7 +24,7 @@ import ctypes
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
@@ -54,20 +54,18 @@ def _runtime() -> Any:
     return runtime
 
 
-class _OnDevice:
-    """``with``: CUDA device ``index`` current on this thread, the one before restored after."""
-
-    def __init__(self, runtime: Any, index: int) -> None:
-        self._runtime, self._index, self._before = runtime, index, index
-
-    def __enter__(self) -> None:
-        self._before = self._runtime.getDevice()
-        if self._before != self._index:
-            self._runtime.setDevice(self._index)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._before != self._index:
-            self._runtime.setDevice(self._before)
+@contextlib.contextmanager
+def _on_device(runtime: Any, index: int) -> Iterator[None]:
+    """CUDA device ``index`` current on this thread for the block, the one before restored after (a context of its
+    own per use: threads may share a reader)."""
+    before = runtime.getDevice()
+    if before != index:
+        runtime.setDevice(index)
+    try:
+        yield
+    finally:
+        if before != index:
+            runtime.setDevice(before)
 
 
 class _Pinned:
@@ -276,8 +274,8 @@ class CudaRingReader(RingReader):
             raise ProtocolError(f"Layout.ring: not a CUDA ring description: {sorted(description)}")
         self.nbytes = nbytes
         self.device = self._find_device(str(description.get("device_uuid")))
-        self._device = _OnDevice(runtime, self.device)
-        with self._device:
+        self._device = partial(_on_device, runtime, self.device)
+        with self._device():
             try:
                 self._ptr = runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
                 self._events = [runtime.ipcOpenEventHandle(h) for h in events]
@@ -386,7 +384,7 @@ class CudaRingReader(RingReader):
         """An event after the copies issued so far; the slot may be released once it completes."""
         # Blocking sync: a consumer waiting for its oldest copy sleeps instead of spinning a core.
         flags = self._runtime.eventDisableTiming | self._runtime.eventBlockingSync
-        with self._device:  # an event records only on a stream of its own device, and may not be current here
+        with self._device():  # an event records only on a stream of its own device, and may not be current here
             event = self._runtime.eventCreateWithFlags(flags)
             self._runtime.eventRecord(event, self._stream)
         return event
@@ -406,7 +404,7 @@ class CudaRingReader(RingReader):
     def allocate(self, nbytes: int) -> np.ndarray:
         """Pinned host memory, so the DMA engine copies straight into it; from any thread (the ring's device is
         made current for the call: a thread with none would start a context on device 0)."""
-        with self._device:
+        with self._device():
             return np.asarray(_Pinned(self._runtime, nbytes))
 
     def close(self) -> None:
@@ -414,7 +412,7 @@ class CudaRingReader(RingReader):
             return
         self._closed = True
         try:
-            with self._device:
+            with self._device():
                 self._runtime.streamSynchronize(self._stream)
                 self._tensor = self._kernel_stream = None
                 for event in self._events:
