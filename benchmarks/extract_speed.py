@@ -254,17 +254,19 @@ def run_extract(model_dir: Path, data: Path, out: Path, device: str, options: li
         raise RuntimeError(f"hscapture extract failed ({done.returncode}): {done.stderr[-2000:]}")
     store = open_store(out)
     counters = (store.metadata()["runs"][-1].get("end") or {}).get("counters", {})
-    samples, tokens, seconds, rate = match.groups()
+    samples, tokens, printed_seconds, rate = match.groups()
+    # The printed seconds have one decimal (a 4.7 s run is +-1 %); the printed tok/s come from the exact time.
+    seconds = int(tokens) / int(rate) if int(rate) else float(printed_seconds)
     preparation = [_preparation(found) for found in PREPARATION_LINE.finditer(done.stdout)]
     startup = max((p["consumer_wait_seconds"] for p in preparation), default=0.0)  # what the capture waited
     return {
         "command": shlex.join(["hscapture", *command[3:]]),
         "samples": int(samples),
         "tokens": int(tokens),
-        "seconds": float(seconds),
+        "seconds": round(seconds, 3),
         "startup_seconds": float(startup),
-        "tok_per_s": round(int(tokens) / max(float(seconds), 1e-9), 1),
-        "tok_per_s_with_startup": round(int(tokens) / max(float(seconds) + float(startup), 1e-9), 1),
+        "tok_per_s": round(int(tokens) / max(seconds, 1e-9), 1),
+        "tok_per_s_with_startup": round(int(tokens) / max(seconds + float(startup), 1e-9), 1),
         "printed_tok_per_s": int(rate),
         "process_seconds": round(wall, 1),
         "credit_waits": counters.get("credit_waits"),
