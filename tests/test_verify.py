@@ -28,7 +28,7 @@ import torch
 
 from hscapture.consumer.device_fp8 import RowCrcs
 from hscapture.errors import StoreError
-from hscapture.store.checksum import combine_rows, crc32_combine, crc_kernel, row_crcs
+from hscapture.store.checksum import combine_columns, combine_rows, crc32_combine, crc_kernel, row_crcs
 from hscapture.store.format import encode_line
 from hscapture.store.records import Finish
 from hscapture.store.verify import BLOCK_BYTES, ShardCheck, VerifyReport, format_report, verify_store
@@ -174,6 +174,18 @@ def test_combined_row_crcs_equal_zlib_over_the_plane() -> None:
             plane = rng.integers(0, 256, (rows, width), dtype=np.uint8)
             crcs = np.array([zlib.crc32(row.tobytes()) for row in plane], dtype=np.uint32)
             assert combine_rows(crcs, width) == zlib.crc32(plane.tobytes()), (rows, width)
+
+
+def test_combined_columns_equal_zlib_over_each_plane() -> None:
+    """Every tensor of a shard folded in one pass (``[rows, tensors]`` row CRCs, as a shard's row table holds
+    them) gives each tensor's zlib CRC, as folding it alone does."""
+    rng = np.random.default_rng(12)
+    for rows in (0, 1, 2, 5, 64, 300):
+        planes = rng.integers(0, 256, (7, rows, 48), dtype=np.uint8)
+        table = np.array([[zlib.crc32(row.tobytes()) for row in plane] for plane in planes], np.uint32).T
+        table = table.reshape(rows, len(planes))
+        expected = [zlib.crc32(plane.tobytes()) for plane in planes]
+        assert combine_columns(table, 48).tolist() == expected, rows
 
 
 @pytest.mark.parametrize("width", [1, 8, 64, 4096])

@@ -118,7 +118,8 @@ class Consumer:
         self.consumer_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # First, so that missing keys or a foreign socket directory fail at once, before a store is touched.
         curve = client_credentials(config.endpoint, config.keys, config.producer_key)
-        if os.path.exists(NVIDIA_CONTROL):  # a GPU host: a CUDA ring then opens in milliseconds, not a second
+        gpu_host = os.path.exists(NVIDIA_CONTROL)
+        if gpu_host:  # a GPU host: a CUDA ring then opens in milliseconds, not a second
             _start_cuda(config.store_dtype)
         self.stats = ConsumerStats()
         self.store: StoreWriter | None = None
@@ -135,7 +136,10 @@ class Consumer:
                 lock_fd=config.store_lock_fd,
                 direct_io=config.direct_io != "off",
             )
-            if self.store.fp8:  # a host ring's rows are quantized by this kernel: compiled before the producer comes
+            # A host ring's rows are quantized by this kernel: compiled before the producer comes. Not on a GPU host,
+            # where a CUDA ring's rows are quantized on the GPU: a compile there held the GIL against the copies of
+            # the first rows (a host ring there compiles when its layout comes).
+            if self.store.fp8 and not gpu_host:
                 from hscapture.fp8_kernel import host_kernels
 
                 threading.Thread(target=host_kernels, name="hscapture-fp8-compile", daemon=True).start()
@@ -425,8 +429,7 @@ class Consumer:
         plane_bytes = (chunk.row_stride or chunk.rows) * plane_row
         begin = 0
         for piece in reservation.pieces:
-            for t, plane in enumerate(piece.planes):
-                ring.copy_into(chunk.offset + t * plane_bytes + begin * plane_row, plane.reshape(-1))
+            ring.copy_planes_into(chunk.offset + begin * plane_row, plane_bytes, piece.planes)
             begin += piece.rows
 
     def _on_finished(self, message: protocol.RequestFinished) -> None:

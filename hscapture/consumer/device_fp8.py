@@ -12,8 +12,8 @@ that went wrong. The engine's stream never waits for any of it: the slot's rows
 are read after the producer's event, on the consumer's own stream, as the plain copy out did.
 
 Cost, for bf16 rows: one kernel per slot (``hscapture/csrc/quantize_fp8.cu``, compiled with NVRTC: each
-row read twice, its codes written once), one for the rows' CRCs (``hscapture/csrc/crc32_rows.cu``) and
-``4 x tensors`` small copies. The torch path it falls
+row read twice, its codes written once), one for the rows' CRCs (``hscapture/csrc/crc32_rows.cu``) and four
+2D copies (codes, scales, counts, CRCs of every tensor) per shard the slot's rows fall in. The torch path it falls
 back to (other dtypes, or no NVRTC) is about ten elementwise kernels per block of up to
 :data:`~hscapture.fp8.BLOCK_ELEMENTS` values, ~18 bytes of device memory traffic per byte of rows,
 and competes with the engine for the GPU: the extract benchmark's fp8 run paid ~4 % of its time
@@ -102,11 +102,10 @@ class DeviceQuantizer:
                     if a >= b:
                         continue
                     staged, reserved = slice(a - low, b - low), slice(a - start, b - start)
-                    for t in range(tensors):
-                        ring.copy_from_device(codes[t, staged], piece.planes[t][reserved])
-                        ring.copy_from_device(scales[t, staged], piece.scales[t][reserved])
-                        ring.copy_from_device(counts[t, staged], piece.nonfinite[t][reserved])
-                        ring.copy_from_device(crcs[t, staged], piece.crcs[t][reserved])
+                    # Each a 2D copy into the shard buffer's evenly spaced planes: 4 calls a piece, not 4 a tensor.
+                    for rows_of, planes in ((codes, piece.planes), (scales, piece.scales),
+                                            (counts, piece.nonfinite), (crcs, piece.crcs)):  # fmt: skip
+                        ring.copy_planes_from_device(rows_of[:, staged], [plane[reserved] for plane in planes])
 
     def close(self) -> None:
         """Nothing to stop: the work is queued on the ring's stream, which the ring's close waits for."""

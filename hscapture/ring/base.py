@@ -12,7 +12,7 @@ Announcements carry only ``(slot, offset, nbytes)``, never handles or paths.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -69,6 +69,12 @@ class RingReader(ABC):
     @abstractmethod
     def copy_into(self, offset: int, dst: np.ndarray) -> None:
         """Copy ``dst.nbytes`` bytes at ring ``offset`` into the contiguous uint8 array ``dst``."""
+
+    def copy_planes_into(self, offset: int, pitch: int, planes: Sequence[np.ndarray]) -> None:
+        """Copy a slot's planes: ``planes[t].nbytes`` bytes at ring ``offset + t * pitch`` into each contiguous
+        uint8 array ``planes[t]``."""
+        for t, plane in enumerate(planes):
+            self.copy_into(offset + t * pitch, plane)
 
     def mark(self) -> Any:
         """A token for the copies issued so far (see :meth:`done`)."""

@@ -24,7 +24,7 @@ import ctypes
 import logging
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,24 @@ def _on_device(runtime: Any, index: int) -> Iterator[None]:
     finally:
         if before != index:
             runtime.setDevice(before)
+
+
+def _spacing(planes: Sequence[np.ndarray]) -> tuple[int, int] | None:
+    """``(nbytes, stride)`` of contiguous host arrays of one size whose starts are ``stride >= nbytes`` bytes apart
+    (a shard buffer's planes, or one array); None otherwise."""
+    if not planes:
+        return None
+    first, nbytes = planes[0], planes[0].nbytes
+    if not first.flags.c_contiguous:
+        return None
+    start = first.ctypes.data
+    stride = planes[1].ctypes.data - start if len(planes) > 1 else nbytes
+    if stride < nbytes:
+        return None
+    for t, plane in enumerate(planes):
+        if plane.nbytes != nbytes or not plane.flags.c_contiguous or plane.ctypes.data != start + t * stride:
+            return None
+    return nbytes, stride
 
 
 class _Pinned:
@@ -332,6 +350,16 @@ class CudaRingReader(RingReader):
         self._check_range(offset, dst.nbytes)
         self._to_host(self._ptr + offset, dst)
 
+    def copy_planes_into(self, offset: int, pitch: int, planes: Sequence[np.ndarray]) -> None:
+        """One 2D copy where the planes lie evenly spaced in host memory (a shard buffer's do), else one a plane."""
+        spaced = _spacing(planes)
+        if spaced is None or (len(planes) > 1 and pitch < spaced[0]):
+            super().copy_planes_into(offset, pitch, planes)
+            return
+        width, dpitch = spaced
+        self._check_range(offset, pitch * (len(planes) - 1) + width)
+        self._to_host_2d(planes[0].ctypes.data, dpitch, self._ptr + offset, pitch, width, len(planes))
+
     # The ring's memory on the GPU, for work on rows before they are copied out (fp8 quantization):
     # torch kernels queued on :meth:`torch_stream` run after :meth:`begin` and before :meth:`mark`.
 
@@ -364,6 +392,20 @@ class CudaRingReader(RingReader):
             )
         self._to_host(src.data_ptr(), dst)
 
+    def copy_planes_from_device(self, src: torch.Tensor, planes: Sequence[np.ndarray]) -> None:
+        """Copy each ``src[t]`` (contiguous, e.g. one tensor's rows worked on) into ``planes[t]``: one 2D copy where
+        the planes lie evenly spaced in host memory, else one a plane."""
+        spaced = _spacing(planes)
+        first = src[0] if len(src) else src
+        if spaced is None or len(src) != len(planes) or not first.is_contiguous() or first.nbytes != spaced[0]:
+            for part, plane in zip(src, planes, strict=True):
+                self.copy_from_device(part, plane)
+            return
+        if src.device != self._ring_tensor().device:
+            raise ValueError(f"copy_planes_from_device: rows on {src.device}, the ring on GPU {self.device}")
+        pitch = src.stride(0) * src.element_size() if len(src) > 1 else first.nbytes
+        self._to_host_2d(planes[0].ctypes.data, spaced[1], src.data_ptr(), pitch, first.nbytes, len(src))
+
     def _ring_tensor(self) -> torch.Tensor:
         """The whole ring as a uint8 torch tensor (made once, on first use: it imports torch)."""
         if self._tensor is None:
@@ -379,6 +421,14 @@ class CudaRingReader(RingReader):
 
     def _to_host(self, src: int, dst: np.ndarray) -> None:
         self._runtime.memcpyAsync(dst.ctypes.data, src, dst.nbytes, self._runtime.memcpyDeviceToHost, self._stream)
+
+    def _to_host_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
+        """``height`` rows of ``width`` bytes, ``spitch`` apart on the GPU, to ``dpitch`` apart on the host: one call,
+        so one release and retake of the GIL, where a call a plane (33 of them a slot with every layer captured)
+        waited for writer threads holding it (on the H200 host, ~100 µs a call)."""
+        if width and height:
+            kind = self._runtime.memcpyDeviceToHost
+            self._runtime.memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, self._stream)
 
     def mark(self) -> Any:
         """An event after the copies issued so far; the slot may be released once it completes."""

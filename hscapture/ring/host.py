@@ -146,7 +146,7 @@ class HostRingReader(RingReader):
         self.nbytes = nbytes
 
     def copy_into(self, offset: int, dst: np.ndarray) -> None:
-        dst[:] = self.view(offset, dst.nbytes)
+        np.copyto(dst, self.view(offset, dst.nbytes).reshape(dst.shape))
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """The ``nbytes`` ring bytes at ``offset``, read-only, uncopied (for reading a slot in place

@@ -2,7 +2,7 @@
 
 Checksums are ``zlib.crc32`` (IEEE 802.3), which releases the GIL on large buffers, so writer
 threads and verify's threads checksum in parallel. Each row of a captured tensor gets its own CRC
-(what a reader checks); the tensor's follows from its rows' with :func:`combine_rows`, and the
+(what a reader checks); the tensor's follows from its rows' with :func:`combine_columns`, and the
 file's from its tensors' with :func:`crc32_combine`, so no byte is checksummed twice.
 
 Rows quantized on the GPU get their CRCs there too (:mod:`hscapture.consumer.device_fp8`): ``zlib.crc32`` holds the GIL
@@ -176,23 +176,31 @@ def _compile_crc(numba: Any) -> Any:
 
 
 def combine_rows(crcs: np.ndarray, row_bytes: int) -> int:
-    """CRC-32 of ``len(crcs)`` consecutive rows of ``row_bytes`` each, from each row's CRC-32.
+    """CRC-32 of ``len(crcs)`` consecutive rows of ``row_bytes`` each, from each row's CRC-32 (see
+    :func:`combine_columns`)."""
+    return int(combine_columns(np.asarray(crcs, dtype=np.uint32)[:, None], row_bytes)[0])
+
+
+def combine_columns(crcs: np.ndarray, row_bytes: int) -> np.ndarray:
+    """``[k]`` uint32: for each column of ``[n, k]`` row CRC-32s, the CRC-32 of its ``n`` consecutive rows of
+    ``row_bytes`` each.
 
     A tree: neighbours are paired per level (the left one advanced over the right one's length, xor),
     each level one vectorized pass through byte tables of that length's operator, cached per row size:
-    ~log2(n) short numpy passes, not n combines. (A shard of 33 tensors x 900 rows took ~100 ms of a
-    writer's GIL with a pass per bit; ~9 ms now, on the 2-core host.) The rows are padded in front to a
-    power of two with the CRC of nothing (0): combining it in changes nothing, as the left piece's
-    length never enters a combine.
+    ~log2(n) short numpy passes for all columns at once, not n combines per column. (A shard of 33 tensors x
+    900 rows took ~100 ms of a writer's GIL with a pass per bit, ~9 ms with a tree per tensor on the 2-core host,
+    and, on the H200 host, 66 ms a shard of a writer's GIL beside the consumer's copies; a tree for all tensors
+    makes a shard's passes 33 times fewer.) The rows are padded in front to a power of two with the CRC of
+    nothing (0): combining it in changes nothing, as the left piece's length never enters a combine.
     """
     values = np.asarray(crcs, dtype=np.uint32)
     if len(values) <= 1:
-        return int(values[0]) if len(values) else 0
+        return values[0].copy() if len(values) else np.zeros(values.shape[1:], np.uint32)
     levels = (len(values) - 1).bit_length()
-    values = np.concatenate([np.zeros((1 << levels) - len(values), np.uint32), values])
+    values = np.concatenate([np.zeros(((1 << levels) - len(values), *values.shape[1:]), np.uint32), values])
     for level in range(levels):
         values = _advance_all(_zeros_tables(row_bytes, level), values[0::2]) ^ values[1::2]
-    return int(values[0])
+    return values[0]
 
 
 @functools.cache

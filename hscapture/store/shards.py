@@ -50,7 +50,7 @@ import numpy as np
 from hscapture.config import torch_dtype
 from hscapture.fp8_kernel import FP8_NAME, scale_name
 from hscapture.ownership import create_private, temp_sibling
-from hscapture.store.checksum import combine, combine_rows, row_crcs
+from hscapture.store.checksum import combine, combine_columns, row_crcs
 from hscapture.store.directory import PRIVATE_FILE_MODE, StoreDir
 from hscapture.store.format import (
     ITEM_BYTES,
@@ -116,10 +116,14 @@ def new_buffer(
     also holds each row's scale, non-finite count and CRC-32, per tensor.
     """
     side = allocate(3 * tensors * capacity * 4).reshape(3, tensors, capacity * 4) if quantized else None
+    # The planes in one allocation, each starting a page (O_DIRECT writes from there), evenly spaced: one 2D
+    # copy out of a CUDA ring fills a slot's rows of every tensor, and one allocation pins them all.
+    plane_bytes = capacity * plane_row_bytes
+    stride = -(-plane_bytes // DIRECT_ALIGN) * DIRECT_ALIGN
+    arena = page_aligned(allocate, stride * tensors)
     return ShardBuffer(
         planes=[
-            page_aligned(allocate, capacity * plane_row_bytes).reshape(capacity, plane_row_bytes)
-            for _ in range(tensors)
+            arena[t * stride : t * stride + plane_bytes].reshape(capacity, plane_row_bytes) for t in range(tensors)
         ],
         positions=np.empty(capacity, dtype=np.int64),
         token_ids=np.empty(capacity, dtype=np.int64),
@@ -277,10 +281,11 @@ def write_shard(
                     plane = planes[name][:n]
                     table[:, column], scales, counts[name] = _write_fp8(out, offsets[name], plane, spec.dtype)
                     crcs[scale_name(name)] = out.write(offsets[scale_name(name)], _bytes(scales))
-                crcs[name] = combine_rows(table[:, column], sizes[name] // max(n, 1))
             elif name in fields:
                 crcs[name] = out.write(offsets[name], _bytes(fields[name]))
         crcs[ROW_CRC] = out.write(offsets[ROW_CRC], _bytes(table.reshape(-1)))
+        # Each tensor's CRC from its rows', every tensor in one pass (a pass per tensor held the GIL for long).
+        crcs |= dict(zip(spec.names, (int(c) for c in combine_columns(table, sizes[spec.names[0]] // max(n, 1)))))
         os.fsync(fd)
     except BaseException:
         os.close(fd)

@@ -222,8 +222,10 @@ class StoreWriter:
         self.writer_threads, self.shard_buffers = self._sizes()
         self._pool = ThreadPoolExecutor(self.writer_threads, thread_name_prefix="hscapture-writer")
         # The writer threads' row checksums, compiled from now on (~1 s of a core; nothing waits for it: shards
-        # written before it is done are checksummed by zlib, the same bits).
-        self._pool.submit(crc_kernel)
+        # written before it is done are checksummed by zlib, the same bits). An fp8 store's rows mostly arrive
+        # quantized, their CRCs with them: it compiles them only for a run whose rows it quantizes (begin_run).
+        if not self.fp8:
+            self._pool.submit(crc_kernel)
         self._free: queue.SimpleQueue[ShardBuffer] = queue.SimpleQueue()
         self._buffers_made = 0
         #: Buffers made and not touched yet, the background toucher's work; a reservation that finds no touched
@@ -368,12 +370,13 @@ class StoreWriter:
         run = self._require_run()
         fresh = [self._new_buffer(run) for _ in range(self.shard_buffers - self._buffers_made)]
         quantizer = self._pool.submit(host_kernels) if self.fp8 and not quantized else None
+        checksums = None if quantized else self._pool.submit(crc_kernel)  # compiled once a process
         if ready:
             for buffer in self._pool.map(touch, fresh):
                 self._free.put(buffer)
-            crc_kernel()
-            if quantizer is not None:
-                quantizer.result()
+            for compiled in (checksums, quantizer):
+                if compiled is not None:
+                    compiled.result()
             return
         if fresh:
             self._free.put(touch(fresh[0]))
