@@ -183,12 +183,17 @@ def run_jobs(
     silent: set[int] = set()  # jobs seen exited without a word at the last empty poll
     postfix = [""] * len(jobs)
     bar = tqdm(total=0, unit=unit, unit_scale=True, disable=not show)
+    next_check = time.monotonic() + _POLL_S
     try:
         while len(results) < len(jobs):
+            # The jobs' liveness every _POLL_S, whether or not messages come: a sibling's stream of bar updates
+            # must not hide a job that died (it ran on to the end of the work before).
+            if time.monotonic() >= next_check:
+                silent = _check_alive(jobs, processes, results, silent)
+                next_check = time.monotonic() + _POLL_S
             try:
                 kind, index, value = channel.get(timeout=_POLL_S)
             except queues.Empty:
-                silent = _check_alive(jobs, processes, results, silent)
                 continue
             if kind == "total":
                 bar.total += value
@@ -227,8 +232,8 @@ def _feed(share: Callable[[Shared], None], shared: Shared, channel: Any, failure
 def _check_alive(jobs: Sequence[Job], processes: list[Any], results: dict[int, Any], silent: set[int]) -> set[int]:
     """Raise for a job whose process ended without sending its result (killed, or crashed in C).
 
-    A job sends its last message before it exits, so one seen exited at two empty polls in a row
-    sent none. Returns the jobs seen exited without a result at this poll.
+    A job sends its last message before it exits, so one seen exited at two checks in a row (``_POLL_S``
+    apart, the messages before them read) sent none. Returns the jobs seen exited without a result at this check.
     """
     exited = {i for i, process in enumerate(processes) if i not in results and process.exitcode is not None}
     for index in sorted(exited & silent):

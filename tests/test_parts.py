@@ -282,6 +282,12 @@ def job_of(out: Path, store: str, timeout_s: float = 180) -> psutil.Process:
     raise AssertionError(f"no consumer writes {out / store}")
 
 
+def sigint_pending(pid: int) -> bool:
+    """Whether SIGINT waits to be delivered to the (stopped) process ``pid`` (Linux: /proc's pending masks)."""
+    masks = [line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if "Pnd:" in line]
+    return any(int(mask, 16) >> (signal.SIGINT - 1) & 1 for mask in masks)
+
+
 def test_a_killed_data_parallel_job_stops_the_others_and_a_rerun_completes_the_set(
     tiny_model: Path, equal_data: Path, unsharded: Path, tmp_path: Path
 ) -> None:
@@ -300,7 +306,11 @@ def test_a_killed_data_parallel_job_stops_the_others_and_a_rerun_completes_the_s
         time.sleep(0.02)
     assert running.poll() is None, "the run finished before its job could be killed"
     job.send_signal(signal.SIGKILL)
-    other.send_signal(signal.SIGCONT)  # and now it is stopped by the parent, finishing its store
+    # dp1 goes on only once the parent has asked it to stop (its SIGINT pending): it finishes its store and takes
+    # no more work. Let go sooner, on a busy host it could take all of the rest before the parent noticed dp0.
+    while time.monotonic() < deadline and not sigint_pending(other.pid):
+        time.sleep(0.02)
+    other.send_signal(signal.SIGCONT)
     _, stderr = running.communicate(timeout=300)
     assert running.returncode == 1 and "hscapture extract: failed: dp0: its process exited with status -9" in stderr
     before = [complete_ids(out / name) for name in ("dp0", "dp1")]
