@@ -50,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, help="tokens in all (default 74000, the issue's run; --tiny 6000)")
     parser.add_argument("--conversations", type=int, help="conversations (default 60; --tiny 24)")
     parser.add_argument("--max-batch-tokens", type=int, default=4096, help="as hscapture extract (default 4096)")
-    parser.add_argument("--store-gib", type=float, help="GiB per store-rate repeat (default 4; --tiny 0.25)")
+    parser.add_argument(
+        "--store-gib",
+        type=float,
+        help="GiB per store-rate repeat (default 6: the start of a run weighs little; --tiny 0.25)",
+    )
     parser.add_argument("--store-repeats", type=int, help="store-rate repeats (default 2; --tiny 1)")
     parser.add_argument(
         "--work-dir", type=Path, help="where the model, data, stores and raw files go (default $TMPDIR)"
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace, checkpoint: Callable[[Outcome], None]) -> Outc
         "conversations": conversations,
         "max_batch_tokens": args.max_batch_tokens,
         "pad_to_multiple": PAD,
-        "store_gib": args.store_gib or (0.25 if args.tiny else 4.0),
+        "store_gib": args.store_gib or (0.25 if args.tiny else 6.0),
         "store_repeats": args.store_repeats or (1 if args.tiny else 2),
     }
     outcome = Outcome(
