@@ -532,6 +532,15 @@ def _bench(suite_args: list[str]) -> int:
 
 
 def _consume(args: argparse.Namespace) -> int:
+    from hscapture.cuda_runtime import NVIDIA_CONTROL, start_cuda
+
+    if getattr(args, "store_dtype", None) is None and os.path.exists(NVIDIA_CONTROL):  # CUDA starts as the rest imports
+        import threading
+
+        threading.Thread(target=start_cuda, name="hscapture-cuda-start", daemon=True).start()
+    # A waiting thread takes the GIL from a busy one after 1 ms, not 5: the main thread's copies and releases,
+    # each a CUDA or socket call that lets go of it, wait less for writer threads working in Python.
+    sys.setswitchinterval(0.001)
     from hscapture.consumer import Consumer
     from hscapture.consumer.metrics import MetricsReporter
 

@@ -68,6 +68,7 @@ TIERS: list[tuple[str, dict[str, list[str]]]] = [
                 "hscapture.fp8_kernel",
                 "hscapture.jit",
                 "hscapture.cuda_kernels",
+                "hscapture.cuda_runtime",
                 "hscapture.data",
                 "hscapture.partition",
                 "hscapture.selection",

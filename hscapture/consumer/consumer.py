@@ -37,6 +37,7 @@ import zmq
 from hscapture import protocol
 from hscapture.config import DTYPES, ConsumerConfig
 from hscapture.consumer.metrics import DropTally, Snapshot
+from hscapture.cuda_runtime import NVIDIA_CONTROL, start_cuda
 from hscapture.errors import AccessError, HSCaptureError, ProtocolError, short_repr
 from hscapture.ownership import pid_alive, process_place
 from hscapture.ring import RingReader, open_ring
@@ -50,9 +51,6 @@ if TYPE_CHECKING:  # torch comes in with an fp8 store alone: rows kept as captur
     from hscapture.consumer.host_fp8 import HostQuantizer
 
 log = logging.getLogger(__name__)
-
-#: Present on a host with an NVIDIA driver: the consumer then starts CUDA before its hello.
-NVIDIA_CONTROL = "/dev/nvidiactl"
 
 #: Messages handled per poll wake-up before housekeeping runs again.
 _BATCH = 256
@@ -563,14 +561,12 @@ def _start_cuda(store_dtype: str | None) -> None:
     """Start CUDA before the hello, so it is done by the time a layout comes (while the producer's engine loads,
     when ``extract`` launches this consumer), and before the store's writer threads compile their kernels.
 
-    Rows kept as captured are read with cupy alone (:func:`hscapture.ring.cuda.start_cuda`: no torch, whose import
+    Rows kept as captured are read with cupy alone (:func:`hscapture.cuda_runtime.start_cuda`: no torch, whose import
     was most of this consumer's start on the H200). An fp8 store quantizes a CUDA ring's rows with torch: it
     imports torch here, as those rows will need it.
     """
     if store_dtype is None:
-        from hscapture.ring.cuda import start_cuda
-
-        start_cuda()
+        start_cuda()  # a start under way (``hscapture consume`` begins it first thing) is waited for
         return
     import torch
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hscapture.cuda_runtime import runtime as _runtime
 from hscapture.errors import HSCaptureError, ProtocolError
 from hscapture.ring.base import Ring, RingReader
 
@@ -41,17 +42,6 @@ log = logging.getLogger(__name__)
 ALIGN = 2 << 20  # cudaMalloc granularity for IPC-friendly allocations
 #: Free device memory left untouched when sizing checks run.
 HEADROOM = 256 << 20
-
-
-def _runtime() -> Any:
-    """cupy's bindings of the CUDA runtime, without the rest of cupy (they import in ~15 ms)."""
-    try:
-        from cupy_backends.cuda.api import runtime
-    except ImportError as exc:
-        raise HSCaptureError(
-            f"the CUDA ring needs cupy ({exc}); install it with `pip install 'hscapture[cuda]'`"
-        ) from None
-    return runtime
 
 
 @contextlib.contextmanager
@@ -150,23 +140,6 @@ def device_uuid(index: int) -> str:
 def _check_driver(status: int, call: str, index: int) -> None:
     if status != 0:
         raise HSCaptureError(f"device {index}: the CUDA driver's {call} failed with error {status}")
-
-
-def start_cuda() -> None:
-    """Start CUDA for a consumer that may open a CUDA ring, without torch: load cupy's runtime bindings, start the
-    driver (~0.2 s on the H200) and, where one GPU is visible (a CUDA ring can only be on it), make its primary
-    context (~0.1 s; a consumer that then gets a host ring holds it too).
-
-    Done on the consumer's own thread, before its writer threads start: beside a thread busy in Python (numba
-    compiling), a thread importing cupy waits for the GIL after each file it reads, seconds in all.
-    A failure is left for the ring's open to report.
-    """
-    try:
-        runtime = _runtime()
-        if runtime.getDeviceCount() == 1:
-            runtime.free(0)  # cudaFree(NULL) makes the current device's (device 0's) primary context
-    except Exception as exc:  # no driver, no GPU, no cupy: the ring's open says so, if a CUDA ring comes
-        log.debug("CUDA not started before the hello: %s", exc)
 
 
 def check_device(device: torch.device, nbytes: int) -> None:
