@@ -180,36 +180,40 @@ def run_jobs(
         feeder.start()
     results: dict[int, Any] = {}
     said: set[int] = set()  # jobs that reported their failure (they exit by themselves)
-    silent: set[int] = set()  # jobs seen exited without a word at the last empty poll
     postfix = [""] * len(jobs)
     bar = tqdm(total=0, unit=unit, unit_scale=True, disable=not show)
+
+    def take(kind: str, index: int, value: Any) -> None:
+        """One message of a job's: its bar, its result, or its failure (raised)."""
+        if kind == "total":
+            bar.total += value
+            bar.refresh()
+        elif kind == "update":
+            bar.update(value)
+        elif kind == "postfix":
+            postfix[index] = value
+            bar.set_postfix_str(" | ".join(f"{jobs[i].name}: {text}" for i, text in enumerate(postfix) if text))
+        elif kind == "done":
+            results[index] = value
+        elif kind == "share-failed":
+            raise feeding[0]
+        else:
+            said.add(index)
+            raise _job_error(jobs[index].name, value)
+
     next_check = time.monotonic() + _POLL_S
     try:
         while len(results) < len(jobs):
             # The jobs' liveness every _POLL_S, whether or not messages come: a sibling's stream of bar updates
             # must not hide a job that died (it ran on to the end of the work before).
             if time.monotonic() >= next_check:
-                silent = _check_alive(jobs, processes, results, silent)
+                _check_alive(jobs, processes, results, channel, take)
                 next_check = time.monotonic() + _POLL_S
             try:
-                kind, index, value = channel.get(timeout=_POLL_S)
+                message = channel.get(timeout=_POLL_S)
             except queues.Empty:
                 continue
-            if kind == "total":
-                bar.total += value
-                bar.refresh()
-            elif kind == "update":
-                bar.update(value)
-            elif kind == "postfix":
-                postfix[index] = value
-                bar.set_postfix_str(" | ".join(f"{jobs[i].name}: {text}" for i, text in enumerate(postfix) if text))
-            elif kind == "done":
-                results[index] = value
-            elif kind == "share-failed":
-                raise feeding[0]
-            else:
-                said.add(index)
-                raise _job_error(jobs[index].name, value)
+            take(*message)
     except BaseException:
         _stop(processes, said | set(results), stop_timeout_s)
         raise
@@ -229,18 +233,28 @@ def _feed(share: Callable[[Shared], None], shared: Shared, channel: Any, failure
         channel.put(("share-failed", -1, None))
 
 
-def _check_alive(jobs: Sequence[Job], processes: list[Any], results: dict[int, Any], silent: set[int]) -> set[int]:
+def _check_alive(
+    jobs: Sequence[Job], processes: list[Any], results: dict[int, Any], channel: Any, take: Callable[..., None]
+) -> None:
     """Raise for a job whose process ended without sending its result (killed, or crashed in C).
 
-    A job sends its last message before it exits, so one seen exited at two checks in a row (``_POLL_S``
-    apart, the messages before them read) sent none. Returns the jobs seen exited without a result at this check.
+    A job sends its last message before it exits: once one is seen exited, every message already there is taken
+    (``take``), its result among them if it sent one; if it still has none, it sent none.
     """
-    exited = {i for i, process in enumerate(processes) if i not in results and process.exitcode is not None}
-    for index in sorted(exited & silent):
-        raise HSCaptureError(
-            f"{jobs[index].name}: its process exited with status {processes[index].exitcode} and no result"
-        )
-    return exited
+    exited = [i for i, process in enumerate(processes) if i not in results and process.exitcode is not None]
+    if not exited:
+        return
+    while True:
+        try:
+            message = channel.get_nowait()
+        except queues.Empty:
+            break
+        take(*message)
+    for index in exited:
+        if index not in results:
+            raise HSCaptureError(
+                f"{jobs[index].name}: its process exited with status {processes[index].exitcode} and no result"
+            )
 
 
 def _job_error(name: str, failure: tuple[str, str]) -> BaseException:
