@@ -369,14 +369,16 @@ class StoreWriter:
         """
         run = self._require_run()
         fresh = [self._new_buffer(run) for _ in range(self.shard_buffers - self._buffers_made)]
-        quantizer = self._pool.submit(host_kernels) if self.fp8 and not quantized else None
-        checksums = None if quantized else self._pool.submit(crc_kernel)  # compiled once a process
+        # Rows an fp8 store quantizes itself need its quantizer and row checksums, which its open left uncompiled.
+        builds = (host_kernels, crc_kernel) if self.fp8 and not quantized else ()
+        compiles = [self._pool.submit(build) for build in builds]
         if ready:
             for buffer in self._pool.map(touch, fresh):
                 self._free.put(buffer)
-            for compiled in (checksums, quantizer):
-                if compiled is not None:
-                    compiled.result()
+            if not quantized:
+                crc_kernel()
+            for compiled in compiles:
+                compiled.result()
             return
         if fresh:
             self._free.put(touch(fresh[0]))
