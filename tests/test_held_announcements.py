@@ -1,7 +1,7 @@
 """Announcements held back and sent together (see ``hscapture.producer.announcer``): the consumer gets every chunk, in
-seq order, before the end of a request that owns rows in them, at close, and once the time limit has passed on an
-engine that calls again or goes idle. A real consumer (on a thread: no process boundary is under test) writes the
-store."""
+seq order, before the end of a request that owns rows in them, at close, when the engine polls, and from the
+producer's service thread while the engine does nothing. A real consumer (on a thread: no process boundary is
+under test) writes the store."""
 
 from __future__ import annotations
 
@@ -84,22 +84,39 @@ def test_held_chunks_reach_the_consumer_in_order_before_a_request_end_and_at_clo
     decode.check(tmp_path / "store", unfinished="b")
 
 
-def test_a_chunk_held_goes_out_once_the_time_limit_has_passed_or_the_engine_polls(
+def test_a_chunk_held_goes_out_from_the_service_thread_while_the_engine_is_idle(
     tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:
+    """No call of the engine sends it: the producer's own thread does, within its service time."""
     consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", in_process=True)
     producer = make_producer(make_config(endpoint, policy="block", slots=16))
     wait_attached(producer)
     decode = Decode()
     decode.step(producer, ["a"])
-    assert producer.counters.chunks_announced == 0
-    time.sleep(2 * announcer_module.SERVICE_S)  # lets the limit pass; nothing here depends on how long it took
+    deadline = time.monotonic() + 30
+    while producer.counters.chunks_announced == 0:
+        assert time.monotonic() < deadline, "a chunk held on an idle engine was never sent"
+        time.sleep(0.005)
+    producer.finish_request("a", num_tokens=1)
+    assert producer.close().rows_captured == 1
+    assert consumer.wait(30) == 0
+    decode.check(tmp_path)
+
+
+def test_a_chunk_held_goes_out_when_the_engine_polls_and_never_from_a_step_of_the_engine(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(announcer_module, "SERVICE_S", 3600.0)  # the service thread waits until woken
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", in_process=True)
+    producer = make_producer(make_config(endpoint, policy="block", slots=16))
+    wait_attached(producer)
+    decode = Decode()
+    decode.step(producer, ["a"])
     written = producer.write_step(decode.states(["a"]), ["a"], [1])  # the engine's next forward
-    assert producer.counters.chunks_announced == 1, "a chunk held past the time limit was not sent"
     producer.announce_step(written, *decode.meta(["a"]))
-    assert producer.counters.chunks_announced == 1
+    assert producer.counters.chunks_announced == 0, "a step of the engine sent what it could leave to the thread"
     producer.poll()  # what an idle engine calls
-    assert producer.counters.chunks_announced == 2, "a chunk held on an idle engine was not sent"
+    assert producer.counters.chunks_announced == 2, "a chunk held on an engine that polls was not sent"
     producer.finish_request("a", num_tokens=2)
     counters = producer.close()
     assert counters.rows_captured == 2 and counters.rows_dropped == 0

@@ -14,7 +14,7 @@ from hscapture import protocol
 from hscapture.errors import ProtocolError
 from hscapture.ownership import process_place
 from hscapture.producer import EngineProducer, NullProducer, WrittenStep
-from hscapture.producer.announcer import FLUSH_CHUNKS, SERVE_STEPS, SERVICE_S, Announcer
+from hscapture.producer.announcer import FLUSH_CHUNKS, Announcer
 from hscapture.producer.base import ProducerCounters
 from hscapture.producer.checks import StepChecks, as_int64
 from hscapture.producer.copier import RowCopier
@@ -103,24 +103,29 @@ def test_a_lone_held_chunk_is_sent_as_itself_and_owners_given_as_tuples_are_enco
     assert chunk.nbytes == 8 * NUM_TENSORS * HIDDEN * 4  # the planes' whole stride
 
 
-def test_the_announcer_serves_when_chunks_wait_past_the_service_time_or_slots_run_low() -> None:
+def test_a_held_chunk_is_encoded_when_taken_from_what_it_was_given_and_put_back_keeps_seq_order() -> None:
+    """The engine's thread only holds a chunk; the service thread encodes it when it takes it, from the pieces the
+    run copied, and a chunk ``block`` could not send is held again before those held since."""
     ann, _ = announcer()
-    ann.served()
-    rows = np.zeros(1, dtype=np.int64)
-    assert not ann.due(running_low=False)  # nothing held, few steps
-    assert ann.due(running_low=True)
-    ann.hold(0, 1, 0, ["a"], [1], rows, rows, step=1, dropped_rows=0, slots_in_flight=0)
-    assert not ann.due(running_low=False)  # held, but within the service time
-    time.sleep(SERVICE_S * 2)
-    assert ann.due(running_low=False)
-    ann.take()
-    ann.served()
-    time.sleep(SERVICE_S * 2)
-    assert [ann.due(running_low=False) for _ in range(SERVE_STEPS)][-2:] == [False, True]  # every SERVE_STEPS steps
-    for slot in range(FLUSH_CHUNKS):
+    pieces = [np.array([5], dtype=np.int64), np.array([6], dtype=np.int64)]
+    ann.hold(0, 2, 8, ["a"], [2], pieces, [p + 100 for p in pieces], step=1, dropped_rows=0, slots_in_flight=0)
+    assert ann.held[0].payload == b""  # nothing encoded on the engine's thread
+    for slot in range(1, FLUSH_CHUNKS):
         assert not ann.full
-        ann.hold(slot, 1, 0, ["a"], [1], rows, rows, step=1, dropped_rows=0, slots_in_flight=0)
+        ann.hold(slot, 1, 0, ["a"], [1], pieces[0], pieces[0], step=1, dropped_rows=0, slots_in_flight=0)
     assert ann.full
+    _, held = ann.take()  # type: ignore[misc]
+    first = protocol.decode_to_consumer(held[0].payload)
+    assert isinstance(first, protocol.Chunk)
+    assert protocol.unpack_rows(first.positions, 2, "positions").tolist() == [5, 6]
+    assert protocol.unpack_rows(first.token_ids, 2, "token_ids").tolist() == [105, 106]
+    ann.hold(7, 1, 0, ["a"], [1], pieces[0], pieces[0], step=2, dropped_rows=0, slots_in_flight=0)
+    ann.put_back(held[:2])
+    payload, again = ann.take()  # type: ignore[misc]
+    assert [h.seq for h in again] == [1, 2, FLUSH_CHUNKS + 1]
+    assert again[0].payload == held[0].payload  # made once: byte for byte what a consumer taking over gets again
+    message = protocol.decode_to_consumer(payload)
+    assert isinstance(message, protocol.Announcements) and len(message.chunks) == 3
 
 
 # ---------------------------------------------------------------------------------------------- session

@@ -1,20 +1,17 @@
 """Announcements held back and sent together: the fixed cost of a socket call paid every few steps, not every step.
 
-Each written slot's :class:`~hscapture.protocol.Chunk` is encoded at once (it takes the next seq)
-and held; the held chunks go out oldest first in one :class:`~hscapture.protocol.Announcements`
-message when the producer serves its sockets. :meth:`Announcer.due` says when that is: free slots
-running low, ``SERVICE_S`` passed with chunks held (holding none, every ``SERVE_STEPS`` steps: an
-engine whose steps outlast ``SERVICE_S`` would otherwise pay for the control socket every step), or
-``FLUSH_CHUNKS`` held. Only the delay changes: seq order, a request's end after its rows and drop
-counting are as for one message per chunk. No sockets here: the producer sends what :meth:`take` gives.
+Each written slot's chunk is held as its fields (it takes the next seq at once) and encoded as a
+:class:`~hscapture.protocol.Chunk` only when it is taken: the producer's service thread takes the
+held chunks every ``SERVICE_S`` while steps run, so the engine's thread neither encodes nor sends
+them. They go out oldest first in one :class:`~hscapture.protocol.Announcements` message. Only the
+delay changes: seq order, a request's end after its rows and drop counting are as for one message
+per chunk. No sockets here: the producer sends what :meth:`Announcer.take` gives.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -22,30 +19,60 @@ import numpy as np
 from hscapture import protocol
 from hscapture.producer.checks import StepChecks
 
-#: Longest the producer goes, while steps run, without sending the chunks it holds and taking releases and hellos.
-#: A time gate cannot miss a message, it only delays it (a gate on the socket's ZMQ_FD did).
+#: Longest the producer's service thread waits, while steps run, before it sends the chunks held and takes releases
+#: and hellos. A time gate cannot miss a message, it only delays it (a gate on the socket's ZMQ_FD did).
 SERVICE_S = 0.004
-#: Chunks held back at most before they are sent (together, in one message).
+#: Chunks held back at most before the service thread is woken to send them (together, in one message).
 FLUSH_CHUNKS = 16
-#: Steps the producer goes at most, holding no chunk, without taking releases and hellos (once ``SERVICE_S`` has
-#: passed too); free slots running low, a wait, a request's end and ``poll`` take them at once.
-SERVE_STEPS = 8
 
 
-class Held(NamedTuple):
-    """A chunk encoded and its slot written, held back to be sent with others."""
+class Held:
+    """A written slot's chunk, held back to be sent with others; its bytes are made when it is taken."""
 
-    slot: int
-    seq: int
-    rows: int
-    payload: bytes
-    #: The requests owning its rows (counted dropped if ``drop`` cannot send it).
-    request_ids: Sequence[str]
-    request_rows: Sequence[int]
+    __slots__ = ("_chunk", "payload", "request_ids", "request_rows", "rows", "seq", "slot")
+
+    def __init__(
+        self,
+        slot: int,
+        seq: int,
+        rows: int,
+        request_ids: Sequence[str],
+        request_rows: Sequence[int],
+        chunk: tuple,
+    ) -> None:
+        self.slot, self.seq, self.rows = slot, seq, rows
+        #: The requests owning its rows (counted dropped if ``drop`` cannot send it).
+        self.request_ids, self.request_rows = request_ids, request_rows
+        #: The encoded :class:`~hscapture.protocol.Chunk` ('' until taken): a consumer that takes over gets it again.
+        self.payload = b""
+        self._chunk = chunk
+
+    def encode(self, slot_bytes: int, row_bytes: int) -> bytes:
+        """The chunk's bytes (made once)."""
+        if not self.payload:
+            row_stride, ids, counts, positions, token_ids, step, dropped_rows, slots_used = self._chunk
+            chunk = protocol.Chunk(
+                v=protocol.PROTOCOL_VERSION,
+                seq=self.seq,
+                step=step,
+                slot=self.slot,
+                offset=self.slot * slot_bytes,
+                nbytes=(row_stride or self.rows) * row_bytes,
+                rows=self.rows,
+                request_ids=ids,  # a list, or its encoded form (the same bytes on the wire)
+                request_rows=counts,
+                positions=protocol.pack_rows(_joined(positions)),
+                token_ids=protocol.pack_rows(_joined(token_ids)),
+                dropped_rows=dropped_rows,
+                row_stride=row_stride,
+                ring_slots_used=slots_used,
+            )
+            self.payload, self._chunk = protocol.encode(chunk), ()
+        return self.payload
 
 
 class Announcer:
-    """Encodes chunks in seq order and holds them until the producer sends them (:meth:`take`).
+    """Holds chunks in seq order until the producer sends them (:meth:`take`).
 
     Args:
         slot_bytes: bytes of one ring slot (a chunk's offset is ``slot * slot_bytes``).
@@ -58,8 +85,6 @@ class Announcer:
         self._seq = itertools.count(1)
         #: Chunks announced by the engine and not sent yet, oldest first.
         self.held: list[Held] = []
-        self._service_at = 0.0  # when the held chunks and the control socket are next served at the latest
-        self._steps_unserved = 0  # steps since the control socket was last served
 
     def hold(
         self,
@@ -68,63 +93,37 @@ class Announcer:
         row_stride: int,
         request_ids: Sequence[str],
         request_rows: Sequence[int],
-        positions: np.ndarray,
-        token_ids: np.ndarray,
+        positions: np.ndarray | list[np.ndarray],
+        token_ids: np.ndarray | list[np.ndarray],
         step: int,
         dropped_rows: int,
         slots_in_flight: int,
     ) -> None:
-        """Encode the chunk of a written slot whose event is recorded, and hold it.
+        """Hold the chunk of a written slot whose event is recorded (encoded when taken).
 
         Args:
             slot, rows, row_stride: where the rows are (``row_stride`` rows per plane; 0: ``rows``).
             request_ids, request_rows: owners of the rows, in row order.
-            positions, token_ids: ``[rows]`` int64 per row.
+            positions, token_ids: ``[rows]`` int64 per row, or the pieces of it, in row order (joined when taken).
+                Nothing may change them after.
             step: the producer's step that wrote the first of them.
             dropped_rows: rows the producer dropped so far (the consumer's gauge).
             slots_in_flight: slots announced and not released (the consumer's gauge).
         """
         checks = self._checks
-        if checks.same_owners(request_ids, request_rows):
-            ids: list[str] | msgspec.Raw = checks.owners.encoded_ids  # type: ignore[union-attr]
-            counts: list[int] | msgspec.Raw = checks.owners.encoded_rows  # type: ignore[union-attr]
+        if checks.same_owners(request_ids, request_rows):  # read now: the owners change with the engine's steps
+            ids: Sequence[str] | msgspec.Raw = checks.owners.encoded_ids  # type: ignore[union-attr]
+            counts: Sequence[int] | msgspec.Raw = checks.owners.encoded_rows  # type: ignore[union-attr]
         else:
             ids, counts = list(request_ids), list(request_rows)
-        seq = next(self._seq)
-        chunk = protocol.Chunk(
-            v=protocol.PROTOCOL_VERSION,
-            seq=seq,
-            step=step,
-            slot=slot,
-            offset=slot * self._slot_bytes,
-            nbytes=(row_stride or rows) * self._row_bytes,
-            rows=rows,
-            request_ids=ids,  # a list, or its encoded form (the same bytes on the wire)
-            request_rows=counts,
-            positions=protocol.pack_rows(positions),
-            token_ids=protocol.pack_rows(token_ids),
-            dropped_rows=dropped_rows,
-            row_stride=row_stride,
-            ring_slots_used=slots_in_flight + len(self.held) + 1,
-        )
-        self.held.append(Held(slot, seq, rows, protocol.encode(chunk), request_ids, request_rows))
+        slots_used = slots_in_flight + len(self.held) + 1
+        chunk = (row_stride, ids, counts, positions, token_ids, step, dropped_rows, slots_used)
+        self.held.append(Held(slot, next(self._seq), rows, request_ids, request_rows, chunk))
 
     @property
     def full(self) -> bool:
         """Enough chunks are held to send them now."""
         return len(self.held) >= FLUSH_CHUNKS
-
-    def due(self, running_low: bool) -> bool:
-        """Counts a step; whether the sockets are to be served before it (see the module docstring)."""
-        self._steps_unserved += 1
-        return running_low or (
-            (bool(self.held) or self._steps_unserved >= SERVE_STEPS) and time.monotonic() >= self._service_at
-        )
-
-    def served(self) -> None:
-        """The producer just served its sockets: the next time is ``SERVICE_S`` away."""
-        self._service_at = time.monotonic() + SERVICE_S
-        self._steps_unserved = 0
 
     def take(self) -> tuple[bytes, list[Held]] | None:
         """The held chunks as one message (a lone chunk as itself), oldest first, and no longer held; None if
@@ -134,7 +133,18 @@ class Announcer:
         if not held:
             return None
         self.held = []
+        payloads = [h.encode(self._slot_bytes, self._row_bytes) for h in held]
         if len(held) == 1:
-            return held[0].payload, held
-        batch = protocol.Announcements(v=protocol.PROTOCOL_VERSION, chunks=[msgspec.Raw(h.payload) for h in held])
+            return payloads[0], held
+        batch = protocol.Announcements(v=protocol.PROTOCOL_VERSION, chunks=[msgspec.Raw(p) for p in payloads])
         return protocol.encode(batch), held
+
+    def put_back(self, held: list[Held]) -> None:
+        """Hold again, before any held since, chunks :meth:`take` gave that could not be sent now."""
+        self.held[:0] = held
+
+
+def _joined(pieces: np.ndarray | list[np.ndarray]) -> np.ndarray:
+    if isinstance(pieces, np.ndarray):
+        return pieces
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

@@ -22,8 +22,9 @@ Who calls what, and how often (the habit of vLLM's KV connector base class):
   step holding its rows was captured or announced.
 * **Once at start** (optional): :meth:`EngineProducer.wait_attached` waits for the consumer, so
   that the first steps under ``drop`` are not dropped for want of one.
-* **Engine thread, when idle** (optional): :meth:`EngineProducer.poll` lets a consumer attach and
-  sends what is held while no step runs.
+* **Engine thread, when idle** (optional): :meth:`EngineProducer.poll` sends what is held and lets a
+  consumer attach at once. (:class:`~hscapture.producer.producer.Producer` serves its sockets from a
+  thread of its own too, every few milliseconds: nothing is left unsent when the engine never polls.)
 * **Once at shutdown**: :meth:`EngineProducer.close` (or the ``with`` block's end).
 
 Under ``drop`` none of these ever waits: rows without a free slot are dropped and counted exactly,

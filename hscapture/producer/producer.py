@@ -6,8 +6,11 @@ the announcer that holds chunks back and sends them together (:mod:`~hscapture.p
 and the consumer session (:mod:`~hscapture.producer.session`). What is left here is the order of
 things and the waiting: under ``block`` for credit or a consumer, under ``drop`` never.
 
-All socket work happens inline on the caller's thread: no thread, no lock, nothing that contends with
-the engine for the GIL between steps.
+The sockets are served by a thread of the producer's own every ``SERVICE_S`` while steps run: it encodes
+and sends the held chunks and takes releases and hellos, mostly while the engine's thread waits for the
+device with the GIL released, so an engine's step pays for neither. The engine's thread serves them
+itself only where it must: no free slot, a wait under ``block``, a request's end, ``poll`` and ``close``.
+One lock keeps the two apart; the engine's thread takes it once per call.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import itertools
 import logging
 import os
 import secrets
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +36,7 @@ from hscapture import protocol
 from hscapture.config import CaptureConfig
 from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError
 from hscapture.ownership import pid_alive
+from hscapture.producer import announcer as announcing
 from hscapture.producer.announcer import Announcer, Held
 from hscapture.producer.base import EngineProducer, ProducerCounters, WrittenStep
 from hscapture.producer.checks import StepChecks, as_int64
@@ -49,6 +55,8 @@ _POLLIN = int(zmq.POLLIN)
 #: Steps of the same requests that :meth:`Producer.capture_step` puts into one slot at most, announced as one chunk
 #: (fewer when the slot fills first). It bounds how long the first step's rows wait to be announced.
 RUN_STEPS = 16
+#: How often the service thread serves the sockets while no step runs (hellos and heartbeats only).
+IDLE_S = 0.05
 
 
 @dataclass
@@ -141,6 +149,14 @@ class Producer(EngineProducer):
             raise
         self._poller = zmq.Poller()
         self._poller.register(self._release, zmq.POLLIN)
+        self._lock = threading.RLock()  # the sockets and the ledger: the engine's thread or the service thread
+        self._wake = threading.Event()
+        self._stopping = False
+        self._served_steps = -1
+        self._service = threading.Thread(
+            target=_serve_in_background, args=(weakref.ref(self), self._wake), name="hscapture-producer", daemon=True
+        )
+        self._service.start()
 
     # ------------------------------------------------------------------ engine-facing API
 
@@ -156,37 +172,39 @@ class Producer(EngineProducer):
         """See :meth:`EngineProducer.capture_step`. Steps whose owners are the very tuples of the step before go
         into its slot (up to :data:`RUN_STEPS`), announced together when the owners change, the slot or the
         run is full, a request ends, the engine polls or the producer closes."""
-        self._check_open()
-        run, graph = self._run, self._copier.graph
-        replayed = run is not None and run.step.replayed and graph is not None and graph.pending
-        rows, spans = self._checks.step(states, request_ids, request_rows, row_index, replayed)
-        positions = as_int64(positions, rows, "positions")
-        token_ids = as_int64(token_ids, rows, "token_ids")
-        self._serve_when_due()
-        if run is not None and (
-            row_index is None
-            and request_ids is run.step.request_ids
-            and request_rows is run.step.request_rows
-            and len(run.positions) < RUN_STEPS
-            and self._extend(run.step, states, spans, request_ids, request_rows, rows, replayed)
-        ):
-            run.positions.append(positions.copy())
-            run.token_ids.append(token_ids.copy())
-            return rows
-        # This step's rows are planned before the run before it is announced: that run's event goes on the engine's
-        # stream, behind a replay whose copy waits for its plan. Announced first, a block producer could wait for
-        # credit or a send while the consumer waits for that event: neither would move again.
-        if row_index is None and rows <= self._rows_per_slot and self._checks.same_owners(request_ids, request_rows):
-            step = self._write_step(states, spans, request_ids, request_rows, None, rows, self._rows_per_slot)
+        with self._lock:
+            self._check_open()
+            run, graph = self._run, self._copier.graph
+            replayed = run is not None and run.step.replayed and graph is not None and graph.pending
+            rows, spans = self._checks.step(states, request_ids, request_rows, row_index, replayed)
+            positions = as_int64(positions, rows, "positions")
+            token_ids = as_int64(token_ids, rows, "token_ids")
+            self._wake_when_low()
+            if run is not None and (
+                row_index is None
+                and request_ids is run.step.request_ids
+                and request_rows is run.step.request_rows
+                and len(run.positions) < RUN_STEPS
+                and self._extend(run.step, states, spans, request_ids, request_rows, rows, replayed)
+            ):
+                run.positions.append(positions.copy())
+                run.token_ids.append(token_ids.copy())
+                return rows
+            # This step's rows are planned before the run before it is announced: that run's event goes on the engine's
+            # stream, behind a replay whose copy waits for its plan. Announced first, a block producer could wait for
+            # credit or a send while the consumer waits for that event: neither would move again.
+            one_slot = row_index is None and rows <= self._rows_per_slot
+            if one_slot and self._checks.same_owners(request_ids, request_rows):
+                step = self._write_step(states, spans, request_ids, request_rows, None, rows, self._rows_per_slot)
+                self._settle()
+                self._close_run()
+                if step.written:
+                    self._run = _Run(step, [positions.copy()], [token_ids.copy()])
+                return step.written
+            step = self._write_step(states, spans, request_ids, request_rows, row_index, rows)
             self._settle()
             self._close_run()
-            if step.written:
-                self._run = _Run(step, [positions.copy()], [token_ids.copy()])
-            return step.written
-        step = self._write_step(states, spans, request_ids, request_rows, row_index, rows)
-        self._settle()
-        self._close_run()
-        return self._announce_step(step, positions, token_ids)
+            return self._announce_step(step, positions, token_ids)
 
     def write_step(
         self,
@@ -199,14 +217,15 @@ class Producer(EngineProducer):
     ) -> WrittenStep:
         """See :meth:`EngineProducer.write_step`. Each slot's event, which the consumer waits for, is recorded after
         the copy (for a step written ``extendable``, when it is announced: after the rows of every step it took)."""
-        self._check_open()
-        self._close_run()  # steps are announced in the order they were written
-        rows, spans = self._checks.step(states, request_ids, request_rows, row_index)
-        self._serve_when_due()
-        stride = self._rows_per_slot if extendable and row_index is None and rows <= self._rows_per_slot else 0
-        step = self._write_step(states, spans, request_ids, request_rows, row_index, rows, stride)
-        self._settle()
-        return step
+        with self._lock:
+            self._check_open()
+            self._close_run()  # steps are announced in the order they were written
+            rows, spans = self._checks.step(states, request_ids, request_rows, row_index)
+            self._wake_when_low()
+            stride = self._rows_per_slot if extendable and row_index is None and rows <= self._rows_per_slot else 0
+            step = self._write_step(states, spans, request_ids, request_rows, row_index, rows, stride)
+            self._settle()
+            return step
 
     def extend_step(
         self,
@@ -216,16 +235,17 @@ class Producer(EngineProducer):
         request_rows: Sequence[int],
     ) -> bool:
         """See :meth:`EngineProducer.extend_step`."""
-        self._check_open()
-        if len(step.slots) != 1 or not step.row_stride or self._current_stream() != step.stream:
-            return False
-        graph = self._copier.graph
-        # A replay after one that wrote the step's first rows: its copy takes the graph's own outputs, which were
-        # checked when the copy was captured, so the same owners as the last step need no look at the states.
-        replayed = step.replayed and graph is not None and graph.pending
-        rows, spans = self._checks.step(states, request_ids, request_rows, None, replayed)
-        self._serve_when_due()
-        return self._extend(step, states, spans, request_ids, request_rows, rows, replayed)
+        with self._lock:
+            self._check_open()
+            if len(step.slots) != 1 or not step.row_stride or self._current_stream() != step.stream:
+                return False
+            graph = self._copier.graph
+            # A replay after one that wrote the step's first rows: its copy takes the graph's own outputs, which were
+            # checked when the copy was captured, so the same owners as the last step need no look at the states.
+            replayed = step.replayed and graph is not None and graph.pending
+            rows, spans = self._checks.step(states, request_ids, request_rows, None, replayed)
+            self._wake_when_low()
+            return self._extend(step, states, spans, request_ids, request_rows, rows, replayed)
 
     def announce_step(
         self,
@@ -234,16 +254,17 @@ class Producer(EngineProducer):
         token_ids: np.ndarray | torch.Tensor | Sequence[int],
     ) -> int:
         """See :meth:`EngineProducer.announce_step`."""
-        self._check_open()
-        if step.written and not step.slots:
-            raise ValueError(f"announce_step: step {step.step} was announced already")
-        try:
-            positions = as_int64(positions, step.rows, "positions")
-            token_ids = as_int64(token_ids, step.rows, "token_ids")
-        except ValueError:
-            self._unwrite(step)
-            raise
-        return self._announce_step(step, positions, token_ids)
+        with self._lock:
+            self._check_open()
+            if step.written and not step.slots:
+                raise ValueError(f"announce_step: step {step.step} was announced already")
+            try:
+                positions = as_int64(positions, step.rows, "positions")
+                token_ids = as_int64(token_ids, step.rows, "token_ids")
+            except ValueError:
+                self._unwrite(step)
+                raise
+            return self._announce_step(step, positions, token_ids)
 
     def finish_request(
         self,
@@ -257,6 +278,19 @@ class Producer(EngineProducer):
         positions: str = "",
     ) -> None:
         """See :meth:`EngineProducer.finish_request`."""
+        with self._lock:
+            self._finish_request(request_id, reason, num_tokens, loss_mask, meta, prefix_token_ids, positions)
+
+    def _finish_request(
+        self,
+        request_id: str,
+        reason: str,
+        num_tokens: int,
+        loss_mask: Sequence[tuple[int, int]],
+        meta: dict[str, Any] | None,
+        prefix_token_ids: Sequence[int] | np.ndarray,
+        positions: str,
+    ) -> None:
         self._check_open()
         self._close_run()
         self._flush()  # its rows first
@@ -284,9 +318,10 @@ class Producer(EngineProducer):
 
     def poll(self) -> None:
         """See :meth:`EngineProducer.poll`; it announces the steps :meth:`capture_step` holds in a slot too."""
-        if not self._closed:
-            self._close_run()
-            self._serve()
+        with self._lock:
+            if not self._closed:
+                self._close_run()
+                self._serve()
 
     def wait_attached(self, timeout_s: float) -> bool:
         """See :meth:`EngineProducer.wait_attached`."""
@@ -296,12 +331,21 @@ class Producer(EngineProducer):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self._poller.poll(min(_POLL_MS, max(1, round(remaining * 1000))))
-            self._serve()
+            with self._lock:  # held for one poll at a time: the service thread may attach it meanwhile
+                self._check_open()
+                if self._poller.poll(min(_POLL_MS, max(1, round(remaining * 1000)))):
+                    self._serve()
         return True
 
     def close(self, timeout_s: float = 30.0, error: str = "") -> ProducerCounters:
         """See :meth:`EngineProducer.close`."""
+        if self._closed:
+            return self.counters
+        self._stop_service()
+        with self._lock:
+            return self._close(timeout_s, error)
+
+    def _close(self, timeout_s: float, error: str) -> ProducerCounters:
         if self._closed:
             return self.counters
         session = self._session
@@ -424,27 +468,35 @@ class Producer(EngineProducer):
         """Announce the steps :meth:`capture_step` put into one slot."""
         run, self._run = self._run, None
         if run is not None:
-            if len(run.positions) == 1:
-                self._announce_step(run.step, run.positions[0], run.token_ids[0])
-            else:
-                self._announce_step(run.step, np.concatenate(run.positions), np.concatenate(run.token_ids))
+            self._announce_step(run.step, run.positions, run.token_ids)
 
-    def _announce_step(self, step: WrittenStep, positions: np.ndarray, token_ids: np.ndarray) -> int:
+    def _announce_step(
+        self,
+        step: WrittenStep,
+        positions: np.ndarray | list[np.ndarray],
+        token_ids: np.ndarray | list[np.ndarray],
+    ) -> int:
+        """Hold the chunks of ``step``'s slots; ``positions`` and ``token_ids`` are the step's (the caller's arrays),
+        or a run's copies of each of its steps' (its one slot holds them all)."""
         request_ids, request_rows = step.owners()
-        ledger, announcer = self.ledger, self._announcer
+        ledger, held = self.ledger, self._announcer
         for slot, begin, count in step.slots:
             if step.row_stride:
                 self.ring.mark_written(slot, step.stream)
             end = begin + count
             ids, counts = _spans(request_ids, request_rows, begin, end, step.rows)  # a whole step: as is
+            if isinstance(positions, np.ndarray):  # encoded later: a copy the caller cannot change
+                slot_positions, slot_tokens = positions[begin:end].copy(), token_ids[begin:end].copy()  # type: ignore[index]
+            else:
+                slot_positions, slot_tokens = positions, token_ids
             ledger.hold(slot)
-            announcer.hold(
-                slot, count, step.row_stride, ids, counts, positions[begin:end], token_ids[begin:end], step.step,
+            held.hold(
+                slot, count, step.row_stride, ids, counts, slot_positions, slot_tokens, step.step,
                 self.counters.rows_dropped, len(ledger.in_flight),
             )  # fmt: skip
         step.slots = []
-        if announcer.full:
-            self._flush()
+        if held.full:
+            self._wake.set()
         return step.written
 
     def _unwrite(self, step: WrittenStep) -> None:
@@ -455,17 +507,25 @@ class Producer(EngineProducer):
         if slots:
             self._count_drop(*step.owners(), 0, step.written)
 
-    def _flush(self) -> None:
-        """Send the held chunks, oldest first, in one message; under ``drop`` a send that fails drops them all."""
+    def _flush(self, wait: bool = True) -> None:
+        """Send the held chunks, oldest first, in one message; under ``drop`` a send that fails drops them all. Under
+        ``block`` it waits for a consumer to take them, or with ``wait`` False holds them again (the service thread
+        never waits: the engine's thread does, where it must)."""
         taken = self._announcer.take()
         if taken is None:
             return
         payload, held = taken
-        try:
-            sent = self._send(payload)
-        except BaseException:  # block gave up waiting (or was stopped): the rows are lost, count them
-            self._drop_held(held)
-            raise
+        if not wait and self.config.policy == "block":
+            sent = self._session.send(payload)
+            if not sent:
+                self._announcer.put_back(held)
+                return
+        else:
+            try:
+                sent = self._send(payload)
+            except BaseException:  # block gave up waiting (or was stopped): the rows are lost, count them
+                self._drop_held(held)
+                raise
         if not sent:
             self._drop_held(held)
             return
@@ -490,15 +550,33 @@ class Producer(EngineProducer):
 
     # ------------------------------------------------------------------ sockets and waiting
 
-    def _serve_when_due(self) -> None:
-        if self._announcer.due(self.ledger.running_low):
-            self._serve()
+    def _wake_when_low(self) -> None:
+        if self.ledger.running_low:  # free slots are few: the service thread takes the releases now
+            self._wake.set()
 
-    def _serve(self) -> None:
+    def _serve(self, wait: bool = True) -> None:
         """Send the held chunks, then take releases and hellos."""
-        self._flush()
+        self._flush(wait)
         self._drain_control()
-        self._announcer.served()
+
+    def _serve_turn(self) -> float:
+        """One turn of the service thread; returns how long to wait for the next (-1: stop)."""
+        with self._lock:
+            if self._stopping or self._closed:
+                return -1.0
+            busy = self.counters.steps != self._served_steps or bool(self._announcer.held)
+            self._served_steps = self.counters.steps
+            self._serve(wait=False)
+        return announcing.SERVICE_S if busy else max(announcing.SERVICE_S, IDLE_S)
+
+    def _stop_service(self) -> None:
+        """Stop the service thread: from now on the caller's thread serves the sockets."""
+        self._stopping = True
+        self._wake.set()
+        if self._service is not threading.current_thread():
+            # Bounded: a close from a signal handler may interrupt this thread inside a call holding the lock, which
+            # the service thread then waits for; the close goes on under the lock and that turn ends it.
+            self._service.join(timeout=1.0)
 
     def _acquire_slot(self) -> int | None:
         ledger, session = self.ledger, self._session
@@ -613,3 +691,24 @@ def _spans(
             ids.append(request_ids[i])
             counts.append(hi - lo)
     return ids, counts
+
+
+def _serve_in_background(producer_ref: weakref.ref[Producer], wake: threading.Event) -> None:
+    """The service thread: a turn every time it is woken or its wait ends, until the producer stops or is gone."""
+    wait_s, failures = announcing.SERVICE_S, 0
+    while True:
+        wake.wait(wait_s)
+        wake.clear()
+        producer = producer_ref()
+        if producer is None:
+            return
+        try:
+            wait_s = producer._serve_turn()
+        except Exception:  # the engine's thread still serves where it must: say so, and go on
+            failures += 1
+            if failures == 1 or failures % 1000 == 0:
+                log.exception("producer %s: serving the sockets failed (%d times so far)", producer.run_id, failures)
+            wait_s = announcing.SERVICE_S
+        del producer
+        if wait_s < 0:
+            return
