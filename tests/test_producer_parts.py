@@ -103,6 +103,22 @@ def test_a_lone_held_chunk_is_sent_as_itself_and_owners_given_as_tuples_are_enco
     assert chunk.nbytes == 8 * NUM_TENSORS * HIDDEN * 4  # the planes' whole stride
 
 
+def test_a_runs_owners_are_listed_when_its_chunk_is_encoded_not_when_it_is_held() -> None:
+    """A run's steps join its slot as references to their owner tuples; its chunk lists them all, in row order."""
+    ann, checks = announcer()
+    first = (("a", "b"), (1, 1))
+    checks.owned_rows(*first)  # the engine's owners, encoded once: a run must not send only these
+    joined = [first, (("a", "b"), (1, 1)), (("c",), (2,))]
+    rows = np.arange(8, dtype=np.int64)
+    ann.hold(3, 8, 8, *first, [rows], [rows + 10], step=4, dropped_rows=0, slots_in_flight=0, joined=joined)
+    held = ann.held[0]
+    assert held.owners() == (["a", "b", "a", "b", "a", "b", "c"], [1, 1, 1, 1, 1, 1, 2])
+    chunk = protocol.decode_to_consumer(ann.take()[0])  # type: ignore[index]
+    assert isinstance(chunk, protocol.Chunk)
+    assert (chunk.request_ids, chunk.request_rows) == held.owners()
+    assert protocol.unpack_rows(chunk.positions, 8, "positions").tolist() == list(range(8))
+
+
 def test_a_held_chunk_is_encoded_when_taken_from_what_it_was_given_and_put_back_keeps_seq_order() -> None:
     """The engine's thread only holds a chunk; the service thread encodes it when it takes it, from the pieces the
     run copied, and a chunk ``block`` could not send is held again before those held since."""

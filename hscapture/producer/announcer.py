@@ -29,28 +29,40 @@ FLUSH_CHUNKS = 16
 class Held:
     """A written slot's chunk, held back to be sent with others; its bytes are made when it is taken."""
 
-    __slots__ = ("_chunk", "payload", "request_ids", "request_rows", "rows", "seq", "slot")
+    __slots__ = ("_chunk", "_joined", "_owners", "payload", "rows", "seq", "slot")
 
     def __init__(
         self,
         slot: int,
         seq: int,
         rows: int,
-        request_ids: Sequence[str],
-        request_rows: Sequence[int],
+        owners: tuple[Sequence[str], Sequence[int]],
+        joined: Sequence[tuple[Sequence[str], Sequence[int]]],
         chunk: tuple,
     ) -> None:
         self.slot, self.seq, self.rows = slot, seq, rows
-        #: The requests owning its rows (counted dropped if ``drop`` cannot send it).
-        self.request_ids, self.request_rows = request_ids, request_rows
+        self._owners, self._joined = owners, joined
         #: The encoded :class:`~hscapture.protocol.Chunk` ('' until taken): a consumer that takes over gets it again.
         self.payload = b""
         self._chunk = chunk
+
+    def owners(self) -> tuple[Sequence[str], Sequence[int]]:
+        """The requests owning its rows and how many each, in row order (counted dropped if ``drop`` cannot send
+        it): those of its first step, then of each step that joined it."""
+        if not self._joined:
+            return self._owners
+        ids, rows = list(self._owners[0]), list(self._owners[1])
+        for step_ids, step_rows in self._joined:
+            ids += step_ids
+            rows += step_rows
+        return ids, rows
 
     def encode(self, slot_bytes: int, row_bytes: int) -> bytes:
         """The chunk's bytes (made once)."""
         if not self.payload:
             row_stride, ids, counts, positions, token_ids, step, dropped_rows, slots_used = self._chunk
+            if self._joined:
+                ids, counts = self.owners()
             chunk = protocol.Chunk(
                 v=protocol.PROTOCOL_VERSION,
                 seq=self.seq,
@@ -98,27 +110,33 @@ class Announcer:
         step: int,
         dropped_rows: int,
         slots_in_flight: int,
+        joined: Sequence[tuple[Sequence[str], Sequence[int]]] = (),
     ) -> None:
         """Hold the chunk of a written slot whose event is recorded (encoded when taken).
 
         Args:
             slot, rows, row_stride: where the rows are (``row_stride`` rows per plane; 0: ``rows``).
-            request_ids, request_rows: owners of the rows, in row order.
+            request_ids, request_rows: owners of the rows, in row order (of the first step's, with ``joined``).
             positions, token_ids: ``[rows]`` int64 per row, or the pieces of it, in row order (joined when taken).
                 Nothing may change them after.
             step: the producer's step that wrote the first of them.
             dropped_rows: rows the producer dropped so far (the consumer's gauge).
             slots_in_flight: slots announced and not released (the consumer's gauge).
+            joined: the owners of each later step whose rows follow in the slot, in order (a run's): the owners of
+                all of them are listed when the chunk is encoded, not here. Nothing may change them after.
         """
         checks = self._checks
-        if checks.same_owners(request_ids, request_rows):  # read now: the owners change with the engine's steps
-            ids: Sequence[str] | msgspec.Raw = checks.owners.encoded_ids  # type: ignore[union-attr]
-            counts: Sequence[int] | msgspec.Raw = checks.owners.encoded_rows  # type: ignore[union-attr]
+        if joined:
+            ids: Sequence[str] | msgspec.Raw = ()
+            counts: Sequence[int] | msgspec.Raw = ()
+        elif checks.same_owners(request_ids, request_rows):  # read now: the owners change with the engine's steps
+            ids = checks.owners.encoded_ids  # type: ignore[union-attr]
+            counts = checks.owners.encoded_rows  # type: ignore[union-attr]
         else:
             ids, counts = list(request_ids), list(request_rows)
         slots_used = slots_in_flight + len(self.held) + 1
         chunk = (row_stride, ids, counts, positions, token_ids, step, dropped_rows, slots_used)
-        self.held.append(Held(slot, next(self._seq), rows, request_ids, request_rows, chunk))
+        self.held.append(Held(slot, next(self._seq), rows, (request_ids, request_rows), joined, chunk))
 
     @property
     def full(self) -> bool:

@@ -478,13 +478,17 @@ class Producer(EngineProducer):
     ) -> int:
         """Hold the chunks of ``step``'s slots; ``positions`` and ``token_ids`` are the step's (the caller's arrays),
         or a run's copies of each of its steps' (its one slot holds them all)."""
-        request_ids, request_rows = step.owners()
         ledger, held = self.ledger, self._announcer
+        joined = step.joined  # a run, in one slot: the owners of its steps are listed when its chunk is encoded
+        request_ids, request_rows = (step.request_ids, step.request_rows) if joined else step.owners()
         for slot, begin, count in step.slots:
             if step.row_stride:
                 self.ring.mark_written(slot, step.stream)
             end = begin + count
-            ids, counts = _spans(request_ids, request_rows, begin, end, step.rows)  # a whole step: as is
+            if joined:
+                ids, counts = request_ids, request_rows
+            else:
+                ids, counts = _spans(request_ids, request_rows, begin, end, step.rows)  # a whole step: as is
             if isinstance(positions, np.ndarray):  # encoded later: a copy the caller cannot change
                 slot_positions, slot_tokens = positions[begin:end].copy(), token_ids[begin:end].copy()  # type: ignore[index]
             else:
@@ -492,7 +496,7 @@ class Producer(EngineProducer):
             ledger.hold(slot)
             held.hold(
                 slot, count, step.row_stride, ids, counts, slot_positions, slot_tokens, step.step,
-                self.counters.rows_dropped, len(ledger.in_flight),
+                self.counters.rows_dropped, len(ledger.in_flight), joined,
             )  # fmt: skip
         step.slots = []
         if held.full:
@@ -539,7 +543,7 @@ class Producer(EngineProducer):
         """Free the slots of chunks that were never sent and count their rows dropped."""
         for h in held:
             self.ledger.give_back(h.slot)
-            self._count_drop(h.request_ids, h.request_rows, 0, h.rows)
+            self._count_drop(*h.owners(), 0, h.rows)
 
     def _count_drop(self, request_ids: Sequence[str], request_rows: Sequence[int], begin: int, end: int) -> None:
         self.counters.rows_dropped += end - begin
