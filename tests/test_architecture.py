@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import graphlib
 import re
 from pathlib import Path
 
@@ -102,8 +103,9 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package's modules ``name`` imports (``from a import b`` counts ``a.b`` when it is a module, else ``a``)."""
+def imports(name: str, path: Path, known: set[str], packages: bool = False) -> set[str]:
+    """The package's modules ``name`` imports (``from a import b`` counts ``a.b`` when it is a module, else ``a``;
+    with ``packages``, ``a`` too: it runs first)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -111,7 +113,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             targets = [
                 f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names
-            ]
+            ] + ([node.module] if packages else [])
         else:
             continue
         for target in targets:
@@ -146,6 +148,17 @@ def test_every_module_has_a_tier_and_imports_only_downwards_or_within_its_group(
             if any(fnmatch.fnmatchcase(target, p) for p in NEVER.get(group, [])):
                 wrong.append(f"{name} ({group}) imports {target}, which {group} never may")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle_not_even_through_a_package() -> None:
+    """``from hscapture.producer import announcer`` inside ``hscapture.producer.producer`` runs the package, which
+    imports that module back: a cycle the tiers allow (one group) and ``import_layers`` counts."""
+    found = modules()
+    graph = {name: imports(name, path, set(found), packages=True) for name, path in found.items()}
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        raise AssertionError(f"import cycle: {' -> '.join(exc.args[1])}") from None
 
 
 def test_the_readme_architecture_lists_every_module_under_its_tier() -> None:

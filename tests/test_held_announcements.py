@@ -6,6 +6,7 @@ under test) writes the store."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -122,3 +123,17 @@ def test_a_chunk_held_goes_out_when_the_engine_polls_and_never_from_a_step_of_th
     assert counters.rows_captured == 2 and counters.rows_dropped == 0
     assert consumer.wait(30) == 0
     decode.check(tmp_path)
+
+
+def test_the_service_thread_ends_with_the_producer(endpoint: str) -> None:
+    """One thread per producer while it is open, none left once it is closed (with no consumer ever attached too)."""
+
+    def threads() -> int:
+        return sum(t.name == "hscapture-producer" for t in threading.enumerate())
+
+    before = threads()
+    producer = make_producer(make_config(endpoint, policy="drop", slots=4))
+    assert threads() == before + 1
+    Decode().step(producer, ["a"])  # dropped: nobody attached
+    counters = producer.close(timeout_s=1)
+    assert threads() == before and counters.rows_dropped == 1

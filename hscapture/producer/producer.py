@@ -32,11 +32,11 @@ import numpy as np
 import torch
 import zmq
 
+import hscapture.producer.announcer as announcing
 from hscapture import protocol
 from hscapture.config import CaptureConfig
 from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError
 from hscapture.ownership import pid_alive
-from hscapture.producer import announcer as announcing
 from hscapture.producer.announcer import Announcer, Held
 from hscapture.producer.base import EngineProducer, ProducerCounters, WrittenStep
 from hscapture.producer.checks import StepChecks, as_int64
