@@ -3,8 +3,11 @@ session, the step checks, the row copier, and the engine-facing base class."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from hscapture.producer.base import ProducerCounters
 from hscapture.producer.checks import StepChecks, as_int64
 from hscapture.producer.copier import RowCopier
 from hscapture.producer.ledger import SlotLedger
+from hscapture.producer.service import ServiceThread
 from hscapture.producer.session import TAKEOVER_MIN_S, ConsumerSession
 from tests.workload import HIDDEN, NUM_TENSORS, make_config
 
@@ -142,6 +146,56 @@ def test_a_held_chunk_is_encoded_when_taken_from_what_it_was_given_and_put_back_
     assert again[0].payload == held[0].payload  # made once: byte for byte what a consumer taking over gets again
     message = protocol.decode_to_consumer(payload)
     assert isinstance(message, protocol.Announcements) and len(message.chunks) == 3
+
+
+# ---------------------------------------------------------------------------------------------- service thread
+
+
+class Turns:
+    """A producer's turn as the service thread sees it: counts calls, says when to stop."""
+
+    def __init__(self, wait_s: float = 3600.0) -> None:
+        self.calls = 0
+        self.stop = False
+        self.seen = threading.Event()
+        self.wait_s = wait_s  # by default: until woken
+
+    def turn(self) -> float:
+        self.calls += 1
+        self.seen.set()
+        return -1.0 if self.stop else self.wait_s
+
+
+def service_threads() -> int:
+    return sum(t.name == "hscapture-producer" for t in threading.enumerate())
+
+
+def wait_for(what: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + 30
+    while not what():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_the_service_thread_turns_when_woken_and_ends_when_its_turn_says_or_its_producer_is_gone() -> None:
+    before = service_threads()
+    turns = Turns()
+    service = ServiceThread(turns.turn)
+    assert turns.seen.wait(30), "no first turn"  # after SERVICE_S, by itself
+    turns.seen.clear()
+    service.wake()
+    assert turns.seen.wait(30) and turns.calls == 2, "woken, it did not turn"
+    turns.stop = True
+    service.stop()
+    assert wait_for(lambda: service_threads() == before) and turns.calls == 3
+    gone = Turns(wait_s=0.01)  # a producer's turn asks for the next within IDLE_S at most
+    ServiceThread(gone.turn)  # held weakly: once its owner is dropped, the next turn finds nobody
+    assert gone.seen.wait(30)
+    del gone
+    gc.collect()
+    assert wait_for(lambda: service_threads() == before), "a thread outlived its producer"
 
 
 # ---------------------------------------------------------------------------------------------- session

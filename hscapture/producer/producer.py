@@ -6,11 +6,12 @@ the announcer that holds chunks back and sends them together (:mod:`~hscapture.p
 and the consumer session (:mod:`~hscapture.producer.session`). What is left here is the order of
 things and the waiting: under ``block`` for credit or a consumer, under ``drop`` never.
 
-The sockets are served by a thread of the producer's own every ``SERVICE_S`` while steps run: it encodes
-and sends the held chunks and takes releases and hellos, mostly while the engine's thread waits for the
-device with the GIL released, so an engine's step pays for neither. The engine's thread serves them
-itself only where it must: no free slot, a wait under ``block``, a request's end, ``poll`` and ``close``.
-One lock keeps the two apart; the engine's thread takes it once per call.
+The sockets are served by a thread of the producer's own (:mod:`~hscapture.producer.service`) every
+``SERVICE_S`` while steps run: it encodes and sends the held chunks and takes releases and hellos,
+mostly while the engine's thread waits for the device with the GIL released, so an engine's step pays
+for neither. The engine's thread serves them itself only where it must: no free slot, a wait under
+``block``, a request's end, ``poll`` and ``close``. One lock keeps the two apart; the engine's thread
+takes it once per call.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import secrets
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +32,6 @@ import numpy as np
 import torch
 import zmq
 
-import hscapture.producer.announcer as announcing
 from hscapture import protocol
 from hscapture.config import CaptureConfig
 from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError
@@ -43,6 +42,7 @@ from hscapture.producer.checks import StepChecks, as_int64
 from hscapture.producer.copier import RowCopier
 from hscapture.producer.ledger import SlotLedger
 from hscapture.producer.row_kernel import PLAN_WAIT_S, GraphRows
+from hscapture.producer.service import ServiceThread, next_wait
 from hscapture.producer.session import ConsumerSession
 from hscapture.ring import Ring, create_ring
 from hscapture.transport import ProducerSockets, publish_token, withdraw_token
@@ -55,8 +55,6 @@ _POLLIN = int(zmq.POLLIN)
 #: Steps of the same requests that :meth:`Producer.capture_step` puts into one slot at most, announced as one chunk
 #: (fewer when the slot fills first). It bounds how long the first step's rows wait to be announced.
 RUN_STEPS = 16
-#: How often the service thread serves the sockets while no step runs (hellos and heartbeats only).
-IDLE_S = 0.05
 
 
 @dataclass
@@ -150,13 +148,10 @@ class Producer(EngineProducer):
         self._poller = zmq.Poller()
         self._poller.register(self._release, zmq.POLLIN)
         self._lock = threading.RLock()  # the sockets and the ledger: the engine's thread or the service thread
-        self._wake = threading.Event()
         self._stopping = False
         self._served_steps = -1
-        self._service = threading.Thread(
-            target=_serve_in_background, args=(weakref.ref(self), self._wake), name="hscapture-producer", daemon=True
-        )
-        self._service.start()
+        self._service = ServiceThread(self._serve_turn)
+        self._wake = self._service.wake
 
     # ------------------------------------------------------------------ engine-facing API
 
@@ -500,7 +495,7 @@ class Producer(EngineProducer):
             )  # fmt: skip
         step.slots = []
         if held.full:
-            self._wake.set()
+            self._wake()
         return step.written
 
     def _unwrite(self, step: WrittenStep) -> None:
@@ -556,7 +551,7 @@ class Producer(EngineProducer):
 
     def _wake_when_low(self) -> None:
         if self.ledger.running_low:  # free slots are few: the service thread takes the releases now
-            self._wake.set()
+            self._wake()
 
     def _serve(self, wait: bool = True) -> None:
         """Send the held chunks, then take releases and hellos."""
@@ -571,16 +566,12 @@ class Producer(EngineProducer):
             busy = self.counters.steps != self._served_steps or bool(self._announcer.held)
             self._served_steps = self.counters.steps
             self._serve(wait=False)
-        return announcing.SERVICE_S if busy else max(announcing.SERVICE_S, IDLE_S)
+        return next_wait(busy)
 
     def _stop_service(self) -> None:
         """Stop the service thread: from now on the caller's thread serves the sockets."""
         self._stopping = True
-        self._wake.set()
-        if self._service is not threading.current_thread():
-            # Bounded: a close from a signal handler may interrupt this thread inside a call holding the lock, which
-            # the service thread then waits for; the close goes on under the lock and that turn ends it.
-            self._service.join(timeout=1.0)
+        self._service.stop()
 
     def _acquire_slot(self) -> int | None:
         ledger, session = self.ledger, self._session
@@ -695,24 +686,3 @@ def _spans(
             ids.append(request_ids[i])
             counts.append(hi - lo)
     return ids, counts
-
-
-def _serve_in_background(producer_ref: weakref.ref[Producer], wake: threading.Event) -> None:
-    """The service thread: a turn every time it is woken or its wait ends, until the producer stops or is gone."""
-    wait_s, failures = announcing.SERVICE_S, 0
-    while True:
-        wake.wait(wait_s)
-        wake.clear()
-        producer = producer_ref()
-        if producer is None:
-            return
-        try:
-            wait_s = producer._serve_turn()
-        except Exception:  # the engine's thread still serves where it must: say so, and go on
-            failures += 1
-            if failures == 1 or failures % 1000 == 0:
-                log.exception("producer %s: serving the sockets failed (%d times so far)", producer.run_id, failures)
-            wait_s = announcing.SERVICE_S
-        del producer
-        if wait_s < 0:
-            return
