@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from hscapture import protocol
+from hscapture.producer.base import joined_owners
 from hscapture.producer.checks import StepChecks
 
 #: Longest the producer's service thread waits, while steps run, before it sends the chunks held and takes releases
@@ -49,13 +50,7 @@ class Held:
     def owners(self) -> tuple[Sequence[str], Sequence[int]]:
         """The requests owning its rows and how many each, in row order (counted dropped if ``drop`` cannot send
         it): those of its first step, then of each step that joined it."""
-        if not self._joined:
-            return self._owners
-        ids, rows = list(self._owners[0]), list(self._owners[1])
-        for step_ids, step_rows in self._joined:
-            ids += step_ids
-            rows += step_rows
-        return ids, rows
+        return joined_owners(*self._owners, self._joined)
 
     def encode(self, slot_bytes: int, row_bytes: int) -> bytes:
         """The chunk's bytes (made once)."""
@@ -73,8 +68,8 @@ class Held:
                 rows=self.rows,
                 request_ids=ids,  # a list, or its encoded form (the same bytes on the wire)
                 request_rows=counts,
-                positions=protocol.pack_rows(_joined(positions)),
-                token_ids=protocol.pack_rows(_joined(token_ids)),
+                positions=protocol.pack_rows(_concatenated(positions)),
+                token_ids=protocol.pack_rows(_concatenated(token_ids)),
                 dropped_rows=dropped_rows,
                 row_stride=row_stride,
                 ring_slots_used=slots_used,
@@ -162,7 +157,7 @@ class Announcer:
         self.held[:0] = held
 
 
-def _joined(pieces: np.ndarray | list[np.ndarray]) -> np.ndarray:
+def _concatenated(pieces: np.ndarray | list[np.ndarray]) -> np.ndarray:
     if isinstance(pieces, np.ndarray):
         return pieces
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

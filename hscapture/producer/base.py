@@ -100,13 +100,21 @@ class WrittenStep:
 
     def owners(self) -> tuple[Sequence[str], Sequence[int]]:
         """Request ids and rows of every step it holds, in row order."""
-        if not self.joined:
-            return self.request_ids, self.request_rows
-        ids, rows = list(self.request_ids), list(self.request_rows)
-        for step_ids, step_rows in self.joined:
-            ids += step_ids
-            rows += step_rows
-        return ids, rows
+        return joined_owners(self.request_ids, self.request_rows, self.joined)
+
+
+def joined_owners(
+    request_ids: Sequence[str], request_rows: Sequence[int], joined: Sequence[tuple[Sequence[str], Sequence[int]]]
+) -> tuple[Sequence[str], Sequence[int]]:
+    """The owners of a first step followed by those of each step that ``joined`` it, in row order (the first step's
+    own tuples when none did)."""
+    if not joined:
+        return request_ids, request_rows
+    ids, rows = list(request_ids), list(request_rows)
+    for step_ids, step_rows in joined:
+        ids += step_ids
+        rows += step_rows
+    return ids, rows
 
 
 class EngineProducer(ABC):

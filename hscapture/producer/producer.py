@@ -274,34 +274,22 @@ class Producer(EngineProducer):
     ) -> None:
         """See :meth:`EngineProducer.finish_request`."""
         with self._lock:
-            self._finish_request(request_id, reason, num_tokens, loss_mask, meta, prefix_token_ids, positions)
-
-    def _finish_request(
-        self,
-        request_id: str,
-        reason: str,
-        num_tokens: int,
-        loss_mask: Sequence[tuple[int, int]],
-        meta: dict[str, Any] | None,
-        prefix_token_ids: Sequence[int] | np.ndarray,
-        positions: str,
-    ) -> None:
-        self._check_open()
-        self._close_run()
-        self._flush()  # its rows first
-        message = protocol.RequestFinished(
-            v=protocol.PROTOCOL_VERSION,
-            request_id=request_id,
-            reason=reason,
-            num_tokens=num_tokens,
-            dropped_rows=self._request_drops.pop(request_id, 0),
-            loss_mask=[(int(a), int(b)) for a, b in loss_mask],
-            meta=meta or {},
-            prefix_token_ids=protocol.pack_rows(np.asarray(prefix_token_ids)) if len(prefix_token_ids) else b"",
-            positions=positions,
-        )
-        if not self._send(protocol.encode(message)):
-            self.counters.events_dropped += 1
+            self._check_open()
+            self._close_run()
+            self._flush()  # its rows first
+            message = protocol.RequestFinished(
+                v=protocol.PROTOCOL_VERSION,
+                request_id=request_id,
+                reason=reason,
+                num_tokens=num_tokens,
+                dropped_rows=self._request_drops.pop(request_id, 0),
+                loss_mask=[(int(a), int(b)) for a, b in loss_mask],
+                meta=meta or {},
+                prefix_token_ids=protocol.pack_rows(np.asarray(prefix_token_ids)) if len(prefix_token_ids) else b"",
+                positions=positions,
+            )
+            if not self._send(protocol.encode(message)):
+                self.counters.events_dropped += 1
 
     def graph_rows(self) -> GraphRows | None:
         """See :meth:`EngineProducer.graph_rows`: a replay of a graph holding the copy is told
@@ -475,7 +463,7 @@ class Producer(EngineProducer):
         or a run's copies of each of its steps' (its one slot holds them all)."""
         ledger, held = self.ledger, self._announcer
         joined = step.joined  # a run, in one slot: the owners of its steps are listed when its chunk is encoded
-        request_ids, request_rows = (step.request_ids, step.request_rows) if joined else step.owners()
+        request_ids, request_rows = step.request_ids, step.request_rows
         for slot, begin, count in step.slots:
             if step.row_stride:
                 self.ring.mark_written(slot, step.stream)
