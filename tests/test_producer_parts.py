@@ -80,7 +80,9 @@ def test_held_chunks_go_out_as_one_message_in_seq_order_each_decodable_alone() -
     ann, _ = announcer()
     rows = np.arange(3, dtype=np.int64)
     for slot in (2, 0, 1):
-        ann.hold(slot, 3, 0, ["a"], [3], rows, rows + 100, step=slot, dropped_rows=4, slots_in_flight=1)
+        ann.hold(
+            slot, 3, 0, ["a"], [3], rows.tobytes(), (rows + 100).tobytes(), step=slot, dropped_rows=4, slots_in_flight=1
+        )
     payload, held = ann.take()  # type: ignore[misc]
     assert ann.take() is None and not ann.held
     message = protocol.decode_to_consumer(payload)
@@ -98,7 +100,7 @@ def test_a_lone_held_chunk_is_sent_as_itself_and_owners_given_as_tuples_are_enco
     ann, checks = announcer()
     owners = (("a", "b"), (1, 1))
     assert checks.owned_rows(*owners) == 2
-    rows = np.array([4, 9], dtype=np.int64)
+    rows = np.array([4, 9], dtype=np.int64).tobytes()
     ann.hold(0, 2, 8, *owners, rows, rows, step=1, dropped_rows=0, slots_in_flight=0)
     payload, _ = ann.take()  # type: ignore[misc]
     chunk = protocol.decode_to_consumer(payload)
@@ -114,7 +116,18 @@ def test_a_runs_owners_are_listed_when_its_chunk_is_encoded_not_when_it_is_held(
     checks.owned_rows(*first)  # the engine's owners, encoded once: a run must not send only these
     joined = [first, (("a", "b"), (1, 1)), (("c",), (2,))]
     rows = np.arange(8, dtype=np.int64)
-    ann.hold(3, 8, 8, *first, [rows], [rows + 10], step=4, dropped_rows=0, slots_in_flight=0, joined=joined)
+    ann.hold(
+        3,
+        8,
+        8,
+        *first,
+        [rows.tobytes()],
+        [(rows + 10).tobytes()],
+        step=4,
+        dropped_rows=0,
+        slots_in_flight=0,
+        joined=joined,
+    )
     held = ann.held[0]
     assert held.owners() == (["a", "b", "a", "b", "a", "b", "c"], [1, 1, 1, 1, 1, 1, 2])
     chunk = protocol.decode_to_consumer(ann.take()[0])  # type: ignore[index]
@@ -125,10 +138,11 @@ def test_a_runs_owners_are_listed_when_its_chunk_is_encoded_not_when_it_is_held(
 
 def test_a_held_chunk_is_encoded_when_taken_from_what_it_was_given_and_put_back_keeps_seq_order() -> None:
     """The engine's thread only holds a chunk; the service thread encodes it when it takes it, from the pieces the
-    run copied, and a chunk ``block`` could not send is held again before those held since."""
+    run kept, and a chunk ``block`` could not send is held again before those held since."""
     ann, _ = announcer()
-    pieces = [np.array([5], dtype=np.int64), np.array([6], dtype=np.int64)]
-    ann.hold(0, 2, 8, ["a"], [2], pieces, [p + 100 for p in pieces], step=1, dropped_rows=0, slots_in_flight=0)
+    pieces = [np.array([5], dtype=np.int64).tobytes(), np.array([6], dtype=np.int64).tobytes()]
+    tokens = [np.array([105], dtype=np.int64).tobytes(), np.array([106], dtype=np.int64).tobytes()]
+    ann.hold(0, 2, 8, ["a"], [2], pieces, tokens, step=1, dropped_rows=0, slots_in_flight=0)
     assert ann.held[0].payload == b""  # nothing encoded on the engine's thread
     for slot in range(1, FLUSH_CHUNKS):
         assert not ann.full
@@ -334,6 +348,11 @@ def test_host_values_are_taken_as_int64_and_device_values_refused() -> None:
     given = np.arange(3, dtype=np.int64)
     assert as_int64(given, 3, "positions") is given
     assert as_int64([1, 2, 3], 3, "positions").dtype == np.int64
+    big_endian = np.arange(3, dtype=">i8")  # equal values, other bytes: taken as the wire's little-endian ones
+    assert as_int64(big_endian, 3, "positions").tobytes() == given.tobytes() == protocol.pack_rows(given)
+    assert as_int64(given.reshape(3, 1), 3, "positions").tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"positions: planned 2 values \(one per kept row\), got 3"):
+        as_int64(given, 2, "positions")
     with pytest.raises(ValueError, match=r"positions: planned 3 values \(one per kept row\), got 2"):
         as_int64([1, 2], 3, "positions")
     with pytest.raises(ValueError, match="token_ids: a tensor on meta; reading it here would make the host wait"):

@@ -14,7 +14,6 @@ import itertools
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 
 from hscapture import protocol
 from hscapture.producer.base import joined_owners
@@ -68,8 +67,8 @@ class Held:
                 rows=self.rows,
                 request_ids=ids,  # a list, or its encoded form (the same bytes on the wire)
                 request_rows=counts,
-                positions=protocol.pack_rows(_concatenated(positions)),
-                token_ids=protocol.pack_rows(_concatenated(token_ids)),
+                positions=_joined(positions),
+                token_ids=_joined(token_ids),
                 dropped_rows=dropped_rows,
                 row_stride=row_stride,
                 ring_slots_used=slots_used,
@@ -100,8 +99,8 @@ class Announcer:
         row_stride: int,
         request_ids: Sequence[str],
         request_rows: Sequence[int],
-        positions: np.ndarray | list[np.ndarray],
-        token_ids: np.ndarray | list[np.ndarray],
+        positions: bytes | list[bytes],
+        token_ids: bytes | list[bytes],
         step: int,
         dropped_rows: int,
         slots_in_flight: int,
@@ -112,8 +111,8 @@ class Announcer:
         Args:
             slot, rows, row_stride: where the rows are (``row_stride`` rows per plane; 0: ``rows``).
             request_ids, request_rows: owners of the rows, in row order (of the first step's, with ``joined``).
-            positions, token_ids: ``[rows]`` int64 per row, or the pieces of it, in row order (joined when taken).
-                Nothing may change them after.
+            positions, token_ids: ``[rows]`` int64 per row as bytes (``ndarray.tobytes()``, as a
+                :class:`~hscapture.protocol.Chunk` holds them), or the pieces of it in row order (joined when taken).
             step: the producer's step that wrote the first of them.
             dropped_rows: rows the producer dropped so far (the consumer's gauge).
             slots_in_flight: slots announced and not released (the consumer's gauge).
@@ -157,7 +156,5 @@ class Announcer:
         self.held[:0] = held
 
 
-def _concatenated(pieces: np.ndarray | list[np.ndarray]) -> np.ndarray:
-    if isinstance(pieces, np.ndarray):
-        return pieces
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+def _joined(pieces: bytes | list[bytes]) -> bytes:
+    return pieces if type(pieces) is bytes else b"".join(pieces)

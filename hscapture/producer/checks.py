@@ -131,14 +131,19 @@ class StepChecks:
         return names[first] if first < len(names) else str(len(spans))
 
 
+#: The wire's int64 (:data:`~hscapture.protocol.ROW_DTYPE`), numpy's own int64 on a little-endian host: an array of
+#: it has this very object (``is``, cheaper than ``==``, which converts), and its bytes are what a chunk holds.
+INT64 = protocol.ROW_DTYPE
+
+
 def as_int64(values: np.ndarray | torch.Tensor | Sequence[int], rows: int, name: str) -> np.ndarray:
-    """``values`` as ``[rows]`` int64 host values (the array itself when it is one already).
+    """``values`` as ``[rows]`` little-endian int64 host values (the array itself when it is one already).
 
     Raises:
         ValueError: a device tensor (reading it would make the host wait for the device), or not ``rows`` values.
     """
-    if type(values) is np.ndarray and values.dtype == np.int64 and values.shape == (rows,):
-        return values  # what an engine adapter usually hands over: nothing to convert
+    if type(values) is np.ndarray and values.dtype is INT64 and values.ndim == 1 and len(values) == rows:
+        return values  # what an engine adapter usually hands over: nothing to convert, and no numpy call to look
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(
@@ -146,7 +151,7 @@ def as_int64(values: np.ndarray | torch.Tensor | Sequence[int], rows: int, name:
                 "every step. Pass host values (a list, numpy array or CPU tensor) the engine already holds"
             )
         values = values.detach().numpy()
-    array = np.asarray(values, dtype=np.int64).reshape(-1)
+    array = np.asarray(values, dtype=INT64).reshape(-1)
     if array.shape[0] != rows:
         raise ValueError(f"{name}: planned {rows} values (one per kept row), got {array.shape[0]}")
     return array

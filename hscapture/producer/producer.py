@@ -62,8 +62,9 @@ class _Run:
     """Steps of the same requests that :meth:`Producer.capture_step` put into one slot, announced together."""
 
     step: WrittenStep
-    positions: list[np.ndarray]
-    token_ids: list[np.ndarray]
+    #: Each step's ``[rows]`` int64 values as bytes (``tobytes``: cheaper than an array's copy, and what is sent).
+    positions: list[bytes]
+    token_ids: list[bytes]
 
 
 class Producer(EngineProducer):
@@ -182,8 +183,8 @@ class Producer(EngineProducer):
                 and len(run.positions) < RUN_STEPS
                 and self._extend(run.step, states, spans, request_ids, request_rows, rows, replayed)
             ):
-                run.positions.append(positions.copy())
-                run.token_ids.append(token_ids.copy())
+                run.positions.append(positions.tobytes())
+                run.token_ids.append(token_ids.tobytes())
                 return rows
             # This step's rows are planned before the run before it is announced: that run's event goes on the engine's
             # stream, behind a replay whose copy waits for its plan. Announced first, a block producer could wait for
@@ -194,7 +195,7 @@ class Producer(EngineProducer):
                 self._settle()
                 self._close_run()
                 if step.written:
-                    self._run = _Run(step, [positions.copy()], [token_ids.copy()])
+                    self._run = _Run(step, [positions.tobytes()], [token_ids.tobytes()])
                 return step.written
             step = self._write_step(states, spans, request_ids, request_rows, row_index, rows)
             self._settle()
@@ -456,11 +457,11 @@ class Producer(EngineProducer):
     def _announce_step(
         self,
         step: WrittenStep,
-        positions: np.ndarray | list[np.ndarray],
-        token_ids: np.ndarray | list[np.ndarray],
+        positions: np.ndarray | list[bytes],
+        token_ids: np.ndarray | list[bytes],
     ) -> int:
         """Hold the chunks of ``step``'s slots; ``positions`` and ``token_ids`` are the step's (the caller's arrays),
-        or a run's copies of each of its steps' (its one slot holds them all)."""
+        or a run's bytes of each of its steps' (its one slot holds them all)."""
         ledger, held = self.ledger, self._announcer
         joined = step.joined  # a run, in one slot: the owners of its steps are listed when its chunk is encoded
         request_ids, request_rows = step.request_ids, step.request_rows
@@ -472,8 +473,8 @@ class Producer(EngineProducer):
                 ids, counts = request_ids, request_rows
             else:
                 ids, counts = _spans(request_ids, request_rows, begin, end, step.rows)  # a whole step: as is
-            if isinstance(positions, np.ndarray):  # encoded later: a copy the caller cannot change
-                slot_positions, slot_tokens = positions[begin:end].copy(), token_ids[begin:end].copy()  # type: ignore[index]
+            if isinstance(positions, np.ndarray):  # encoded later: bytes the caller cannot change
+                slot_positions, slot_tokens = positions[begin:end].tobytes(), token_ids[begin:end].tobytes()  # type: ignore[index]
             else:
                 slot_positions, slot_tokens = positions, token_ids
             ledger.hold(slot)
