@@ -152,6 +152,8 @@ def test_graph_replayed_capture_is_bitwise_and_never_announces_padding(
         got = torch.stack([sample[n] for n in NAMES], dim=1)
         assert torch.equal(got, torch.cat(references[key])), key
         assert sample["positions"].tolist() == list(range(len(got)))
+        offset = 7 if key.startswith("d") else int(key[1:])  # each request's token ids as the engine handed them
+        assert sample["input_ids"].tolist() == [p + offset for p in range(len(got))]
     assert store.summary()["rows"] == counters.rows_captured, "padding rows were stored"
 
 
