@@ -394,3 +394,17 @@ def test_read_suite_refuses_bad_settings_before_writing_a_store(tmp_path: Path) 
     assert done.returncode == 2
     assert "read suite: error: --sample-tokens -3: must be > 0" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_host_time_goal_names_the_same_hosts_write_only_floor() -> None:
+    """Host µs per decode step follow the host: the goal's note gives the in-graph copy's own hooks of the same run
+    and batch beside it (here the committed H200 result's)."""
+    from benchmarks.gpu_serving import compute_goals
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "gpu-h200.json").read_text())["results"]
+    workloads = results["decode"]["workloads"]
+    note = compute_goals(results, tiny=False)["host_us_per_decode_step"]["note"]
+    worst = next(name for name in workloads if note.startswith(f"worst: {name} "))
+    assert note.endswith(f"; write-only's hooks there {workloads[worst]['write-only']['host_us_p50']} µs median"), note
+    without = {"decode": {"workloads": {worst: {p: workloads[worst][p] for p in ("off", "drop", "block")}}}}
+    assert "write-only" not in compute_goals(without, tiny=False)["host_us_per_decode_step"]["note"]  # none measured
