@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,3 +138,36 @@ def test_the_service_thread_ends_with_the_producer(endpoint: str) -> None:
     Decode().step(producer, ["a"])  # dropped: nobody attached
     counters = producer.close(timeout_s=1)
     assert threads() == before and counters.rows_dropped == 1
+
+
+def test_an_engine_may_reuse_its_position_and_token_arrays_after_every_call(
+    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks are encoded later, on the service thread; what they send is what the engine handed over during each
+    call, though it overwrites the same int64 arrays in place before the next (a decode run of the same tuples, a
+    step of its own, and ``write_step`` / ``announce_step``)."""
+    monkeypatch.setattr(announcer_module, "SERVICE_S", 3600.0)  # nothing goes out before every array was reused
+    consumer = start_consumer(tmp_path, endpoint, "--exit-on-eos", in_process=True)
+    producer = make_producer(make_config(endpoint, policy="block", slots=16))
+    wait_attached(producer)
+    decode = Decode()
+    owners = ("a", "b"), (1, 1)
+    positions, tokens = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64)
+
+    def handed(rids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        sent = decode.meta(rids)
+        positions[: len(rids)], tokens[: len(rids)] = sent  # the engine's own buffers, overwritten in place
+        return positions[: len(rids)], tokens[: len(rids)]
+
+    for _ in range(5):  # a run: one slot, its chunk held
+        assert producer.capture_step(decode.states(["a", "b"]), *owners, *handed(["a", "b"])) == 2
+    producer.capture_step(decode.states(["a"]), ["a"], [1], *handed(["a"]))  # other owners: a step of its own
+    written = producer.write_step(decode.states(["b"]), ["b"], [1])
+    producer.announce_step(written, *handed(["b"]))
+    positions[:], tokens[:] = -1, -1
+    assert producer.counters.chunks_announced == 0, "sent before the arrays were reused"
+    producer.finish_request("a", num_tokens=6)
+    producer.finish_request("b", num_tokens=6)
+    assert producer.close().rows_captured == 12
+    assert consumer.wait(30) == 0
+    decode.check(tmp_path)

@@ -144,8 +144,9 @@ class EngineProducer(ABC):
                 while the batch does not change: it is checked and encoded once, and those steps share a slot.
             request_rows: how many consecutive kept rows each request owns (a tuple, likewise).
             positions: ``[R]`` int position of each kept row in its request (host values: a list, numpy array
-                or CPU tensor; reading a device tensor would synchronize).
-            token_ids: ``[R]`` int token id of each kept row (host values).
+                or CPU tensor; reading a device tensor would synchronize). Read during the call: the caller may
+                reuse its array after. A ``[R]`` int64 numpy array is read as it is, the cheapest on a decode step.
+            token_ids: ``[R]`` int token id of each kept row (host values, likewise).
             row_index: ``[R]`` int64 indices into the ``N`` rows of ``states`` to keep (drops padding), on the
                 states' device; ``None`` keeps all ``N`` rows in order.
 
