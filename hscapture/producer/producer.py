@@ -175,39 +175,40 @@ class Producer(EngineProducer):
                 self._check_open()
             run, graph = self._run, self._copier.graph
             replayed = run is not None and run.step.replayed and graph is not None and graph.pending
-            if (
-                run is not None
-                and replayed
+            # The run's very request tuples again (a decode batch that did not change): the step may join its slot.
+            joins = (
+                run
+                if run is not None
+                and row_index is None
                 and request_ids is run.step.request_ids
                 and request_rows is run.step.request_rows
-                and row_index is None
                 and len(run.positions) < RUN_STEPS
+                else None
+            )
+            if (
+                joins is not None
+                and replayed
                 and type(positions) is np.ndarray
                 and type(token_ids) is np.ndarray
                 and positions.dtype is INT64 is token_ids.dtype  # what as_int64 takes as it is
-                and positions.shape == run.shape == token_ids.shape
+                and positions.shape == joins.shape == token_ids.shape
                 and len(self.ledger.free) > self.ledger.low
-                and self._extend(run.step, states, (), request_ids, request_rows, run.shape[0], True)
             ):
-                # The run's requests again, in a replay of a graph holding the copy (a decode engine's step after
-                # step): the rows were checked at the run's first step, the copy's sources when it was captured. No
-                # call here that is not needed: each costs a few µs on a host whose caches the device wait left cold.
-                run.positions.append(positions.tobytes())
-                run.token_ids.append(token_ids.tobytes())
-                return run.shape[0]
+                # In a replay of a graph holding the copy (a decode engine's step after step): the rows were checked
+                # at the run's first step, the copy's sources when it was captured. No call here that is not needed:
+                # each costs a few µs on a host whose caches the device wait left cold.
+                if self._extend(joins.step, states, (), request_ids, request_rows, joins.shape[0], True):
+                    joins.positions.append(positions.tobytes())
+                    joins.token_ids.append(token_ids.tobytes())
+                    return joins.shape[0]
+                joins = None  # its slot is full or the stream changed: this step opens a run of its own
             rows, spans = self._checks.step(states, request_ids, request_rows, row_index, replayed)
             positions = as_int64(positions, rows, "positions")
             token_ids = as_int64(token_ids, rows, "token_ids")
             self._wake_when_low()
-            if run is not None and (
-                row_index is None
-                and request_ids is run.step.request_ids
-                and request_rows is run.step.request_rows
-                and len(run.positions) < RUN_STEPS
-                and self._extend(run.step, states, spans, request_ids, request_rows, rows, replayed)
-            ):
-                run.positions.append(positions.tobytes())
-                run.token_ids.append(token_ids.tobytes())
+            if joins is not None and self._extend(joins.step, states, spans, request_ids, request_rows, rows, replayed):
+                joins.positions.append(positions.tobytes())
+                joins.token_ids.append(token_ids.tobytes())
                 return rows
             # This step's rows are planned before the run before it is announced: that run's event goes on the engine's
             # stream, behind a replay whose copy waits for its plan. Announced first, a block producer could wait for
