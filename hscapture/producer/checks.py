@@ -8,7 +8,7 @@ copy they guard.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -29,6 +29,18 @@ class Owners(NamedTuple):
     encoded_rows: msgspec.Raw
 
 
+class Checked(NamedTuple):
+    """The last step checked with the owners of :attr:`StepChecks.owners`: a step with the same tuples and states of
+    the same shapes passes without the checks (a replay's, of the graph's own outputs, on the tuples alone)."""
+
+    request_ids: Sequence[str]
+    request_rows: Sequence[int]
+    #: Each state's (shape, dtype).
+    signature: list[tuple[torch.Size, torch.dtype]]
+    rows: int
+    spans: tuple[int, ...]
+
+
 class StepChecks:
     """Checks the steps of one run against its :class:`~hscapture.config.CaptureConfig`.
 
@@ -41,9 +53,8 @@ class StepChecks:
         self._hidden, self._dtype, self._num_tensors = config.hidden_size, config.torch_dtype, config.num_tensors
         #: The owners passed as the same tuples as before (checked and encoded once).
         self.owners: Owners | None = None
-        # The last step checked with owners of ``owners``: (request_ids, request_rows, each state's (shape, dtype),
-        # kept rows, spans). A step with the same owners and states of the same shapes passes without the checks.
-        self._checked: tuple[Any, ...] | None = None
+        #: The last step checked with the owners of ``owners``.
+        self.checked: Checked | None = None
 
     def same_owners(self, request_ids: Sequence[str], request_rows: Sequence[int]) -> bool:
         """``request_ids`` and ``request_rows`` are the very tuples checked and encoded last."""
@@ -67,13 +78,18 @@ class StepChecks:
             ValueError: a state's shape or dtype, the tensor count, the owners' rows or the step's rows differ from
                 the plan; the message names the state and shows the planned value beside the one received.
         """
-        checked = self._checked
-        same = checked is not None and row_index is None and request_ids is checked[0] and request_rows is checked[1]
+        checked = self.checked
+        same = (
+            checked is not None
+            and row_index is None
+            and request_ids is checked.request_ids
+            and request_rows is checked.request_rows
+        )
         if same and replayed:
-            return checked[3], checked[4]  # type: ignore[index]
+            return checked.rows, checked.spans  # type: ignore[union-attr]
         signature = [(state.shape, state.dtype) for state in states]
-        if same and signature == checked[2]:  # type: ignore[index]
-            return checked[3], checked[4]  # type: ignore[index]
+        if same and signature == checked.signature:  # type: ignore[union-attr]
+            return checked.rows, checked.spans  # type: ignore[union-attr]
         config, hidden, dtype = self.config, self._hidden, self._dtype
         rows_in = states[0].shape[0] if states else 0
         spans: list[int] = []
@@ -105,7 +121,7 @@ class StepChecks:
             )
         checked_spans = tuple(spans)
         if row_index is None and self.same_owners(request_ids, request_rows):  # tuples: the same values next time
-            self._checked = (request_ids, request_rows, signature, rows, checked_spans)
+            self.checked = Checked(request_ids, request_rows, signature, rows, checked_spans)
         return rows, checked_spans
 
     def owned_rows(self, request_ids: Sequence[str], request_rows: Sequence[int]) -> int:

@@ -11,7 +11,8 @@ The sockets are served by a thread of the producer's own (:mod:`~hscapture.produ
 mostly while the engine's thread waits for the device with the GIL released, so an engine's step pays
 for neither. The engine's thread serves them itself only where it must: no free slot, a wait under
 ``block``, a request's end, ``poll`` and ``close``. One lock keeps the two apart; the engine's thread
-takes it once per call.
+takes it once per call, except for a decode step that joins an open slot in a replay of a graph holding
+the copy: that touches nothing the service thread changes (see ``Producer._extend``), and takes no lock.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ _POLLIN = int(zmq.POLLIN)
 RUN_STEPS = 16
 
 
-@dataclass
+@dataclass(slots=True)
 class _Run:
     """Steps of the same requests that :meth:`Producer.capture_step` put into one slot, announced together."""
 
@@ -65,8 +66,11 @@ class _Run:
     #: Each step's ``[rows]`` int64 values as bytes (``tobytes``: cheaper than an array's copy, and what is sent).
     positions: list[bytes]
     token_ids: list[bytes]
-    #: ``(rows,)``: the kept rows of each of its steps (its requests' rows, the same tuples step after step).
-    shape: tuple[int]
+    #: The kept rows of each of its steps (its requests' rows, the same tuples step after step).
+    rows: int
+    #: The copy inside the engine's graphs when the run's first rows were a replay's (its later steps' rows are
+    #: planned there, by a join that takes no lock), else None.
+    graph: GraphRows | None
 
 
 class Producer(EngineProducer):
@@ -170,45 +174,47 @@ class Producer(EngineProducer):
         """See :meth:`EngineProducer.capture_step`. Steps whose owners are the very tuples of the step before go
         into its slot (up to :data:`RUN_STEPS`), announced together when the owners change, the slot or the
         run is full, a request ends, the engine polls or the producer closes."""
+        run = self._run
+        # A decode step of the run's very request tuples in a replay of a graph holding the copy (a decode loop, step
+        # after step) joins the run's slot with no lock and no call but the join's (see _extend): the run's first step
+        # checked the rows, the copy's capture its sources. Each call costs µs on a host the device wait left cold.
+        if (
+            run is not None
+            and run.graph is not None
+            and run.graph.pending
+            and request_ids is run.step.request_ids
+            and request_rows is run.step.request_rows
+            and row_index is None
+            and len(run.positions) < RUN_STEPS
+            and type(positions) is np.ndarray
+            and type(token_ids) is np.ndarray
+            and positions.dtype is INT64 is token_ids.dtype  # what as_int64 takes as it is (flattened)
+        ):
+            position_bytes, token_bytes = positions.tobytes(), token_ids.tobytes()  # their length is the rows' check
+            if len(position_bytes) == len(token_bytes) == run.rows * 8 and self._extend(
+                run.step, states, (), request_ids, request_rows, run.rows, True
+            ):
+                run.positions.append(position_bytes)
+                run.token_ids.append(token_bytes)
+                return run.rows
         with self._lock:
-            if self._closed:  # (one look, not a call, on a decode step)
-                self._check_open()
+            self._check_open()
             run, graph = self._run, self._copier.graph
             replayed = run is not None and run.step.replayed and graph is not None and graph.pending
-            # The run's very request tuples again (a decode batch that did not change): the step may join its slot.
-            joins = (
-                run
-                if run is not None
-                and row_index is None
-                and request_ids is run.step.request_ids
-                and request_rows is run.step.request_rows
-                and len(run.positions) < RUN_STEPS
-                else None
-            )
-            if (
-                joins is not None
-                and replayed
-                and type(positions) is np.ndarray
-                and type(token_ids) is np.ndarray
-                and positions.dtype is INT64 is token_ids.dtype  # what as_int64 takes as it is
-                and positions.shape == joins.shape == token_ids.shape
-                and len(self.ledger.free) > self.ledger.low
-            ):
-                # In a replay of a graph holding the copy (a decode engine's step after step): the rows were checked
-                # at the run's first step, the copy's sources when it was captured. No call here that is not needed:
-                # each costs a few µs on a host whose caches the device wait left cold.
-                if self._extend(joins.step, states, (), request_ids, request_rows, joins.shape[0], True):
-                    joins.positions.append(positions.tobytes())
-                    joins.token_ids.append(token_ids.tobytes())
-                    return joins.shape[0]
-                joins = None  # its slot is full or the stream changed: this step opens a run of its own
             rows, spans = self._checks.step(states, request_ids, request_rows, row_index, replayed)
             positions = as_int64(positions, rows, "positions")
             token_ids = as_int64(token_ids, rows, "token_ids")
             self._wake_when_low()
-            if joins is not None and self._extend(joins.step, states, spans, request_ids, request_rows, rows, replayed):
-                joins.positions.append(positions.tobytes())
-                joins.token_ids.append(token_ids.tobytes())
+            if (
+                run is not None
+                and row_index is None
+                and request_ids is run.step.request_ids
+                and request_rows is run.step.request_rows
+                and len(run.positions) < RUN_STEPS
+                and self._extend(run.step, states, spans, request_ids, request_rows, rows, replayed)
+            ):
+                run.positions.append(positions.tobytes())
+                run.token_ids.append(token_ids.tobytes())
                 return rows
             # This step's rows are planned before the run before it is announced: that run's event goes on the engine's
             # stream, behind a replay whose copy waits for its plan. Announced first, a block producer could wait for
@@ -219,7 +225,8 @@ class Producer(EngineProducer):
                 self._settle()
                 self._close_run()
                 if step.written:
-                    self._run = _Run(step, [positions.tobytes()], [token_ids.tobytes()], (rows,))
+                    graph = self._copier.graph if step.replayed else None
+                    self._run = _Run(step, [positions.tobytes()], [token_ids.tobytes()], rows, graph)
                 return step.written
             step = self._write_step(states, spans, request_ids, request_rows, row_index, rows)
             self._settle()
@@ -255,13 +262,23 @@ class Producer(EngineProducer):
         request_rows: Sequence[int],
     ) -> bool:
         """See :meth:`EngineProducer.extend_step`."""
+        graph, checked = self._copier.graph, self._checks.checked
+        # A replay after one that wrote the step's first rows: its copy takes the graph's own outputs, which were
+        # checked when the copy was captured, so the owners of the step checked last need no look at the states, and
+        # the join takes no lock (see _extend).
+        if (
+            step.replayed
+            and graph is not None
+            and graph.pending
+            and checked is not None
+            and request_ids is checked.request_ids
+            and request_rows is checked.request_rows
+        ):
+            return self._extend(step, states, (), request_ids, request_rows, checked.rows, True)
         with self._lock:
             self._check_open()
             if len(step.slots) != 1 or not step.row_stride or self._current_stream() != step.stream:
-                return False
-            graph = self._copier.graph
-            # A replay after one that wrote the step's first rows: its copy takes the graph's own outputs, which were
-            # checked when the copy was captured, so the same owners as the last step need no look at the states.
+                return False  # before the checks: a step that takes no more rows is no error
             replayed = step.replayed and graph is not None and graph.pending
             rows, spans = self._checks.step(states, request_ids, request_rows, None, replayed)
             self._wake_when_low()
@@ -448,7 +465,11 @@ class Producer(EngineProducer):
         rows: int,
         replayed: bool,
     ) -> bool:
-        """Rows of a checked step into the slot of ``step`` after its rows (False when they do not fit it)."""
+        """Rows of a checked step into the slot of ``step`` after its rows (False when they do not fit it).
+
+        A replay's join runs without the lock: only the engine's thread touches a step and the copy's plan, and of
+        what the service thread shares, it stores one entry of the ledger's ``written`` (a dict store, which the GIL
+        keeps whole) and adds to ``counters.steps``, which that thread only reads."""
         if len(step.slots) != 1 or not step.row_stride or self._current_stream() != step.stream:
             return False
         slot, _, count = step.slots[0]

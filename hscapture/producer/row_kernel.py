@@ -348,27 +348,23 @@ class GraphRows:
 
     def plan(self, slot: int, begin: int, count: int, first: int, plane_rows: int) -> None:
         """:meth:`write` without the look at the states, for a replay whose rows are known to be a graph's holding
-        the copy (the producer's next step of the requests whose rows :meth:`write` took)."""
+        the copy (the producer's next step of the requests whose rows :meth:`write` took). One frame, no call: it runs
+        on a decode step, right after a device wait that left the host's caches cold."""
         self.pending = False
-        hidden_bytes = self._hidden_bytes
-        destination = self._base + slot * self._slot_bytes + first * hidden_bytes
-        self._plan(destination, plane_rows * hidden_bytes >> 4, begin, count)
+        hidden_bytes, words, step = self._hidden_bytes, self._words, self._next
+        at = (step & (PLAN_ENTRIES - 1)) * 8
+        words[at + 1] = self._base + slot * self._slot_bytes + first * hidden_bytes  # destination
+        words[at + 2], words[at + 3], words[at + 4] = plane_rows * hidden_bytes >> 4, begin, count
+        words[at] = step  # the tag last: the copy reads the fields once it sees it
+        self._next = step + 1
 
     def settle(self) -> None:
-        """After the forward's hook: a replay whose rows were not planned copies none."""
+        """After the forward's hook: a replay whose rows were not planned copies none (an entry of no rows)."""
         if self.pending:
-            self.pending = False
-            self._plan(0, 0, 0, 0)
+            self.plan(0, 0, 0, 0, 0)
 
     def off(self) -> None:
         """Every copy returns at once from now on (the ring is about to be freed)."""
         self.pending = False
         self._off = True
         self._control[0] = 1
-
-    def _plan(self, destination: int, plane: int, begin: int, rows: int) -> None:
-        words, step = self._words, self._next
-        at = (step & (PLAN_ENTRIES - 1)) * 8
-        words[at + 1], words[at + 2], words[at + 3], words[at + 4] = destination, plane, begin, rows
-        words[at] = step  # the tag last: the copy reads the fields once it sees it
-        self._next = step + 1
