@@ -493,7 +493,8 @@ class SGLangCapture(EngineCapture, engine="sglang", layers_key="sglang_layers_to
             finished = [r for r in batch.reqs if r.finished_reason is not None]
             if finished:
                 self._run = None  # its rows go out before these requests end
-            if self.pending:
+            pending = self.pending
+            if pending and pending[0] is not self._run:  # (the open run alone: nothing to announce, no call)
                 self._announce_ready()
             if finished:
                 self._fold()
@@ -596,8 +597,10 @@ class SGLangCapture(EngineCapture, engine="sglang", layers_key="sglang_layers_to
         """A decode step's rows into the ring now (the hot path: nothing per step beyond what the producer
         keeps); the same requests as the step before join its decode run."""
         producer, states = self._states(output)
-        plan = self._decode_plan(batch)
-        self._decoded = seq_lens = batch.seq_lens_cpu
+        seq_lens, plan = batch.seq_lens_cpu, self._plan
+        if seq_lens is None or plan is None or batch.reqs != plan.reqs:  # (the same requests: no call)
+            plan = self._decode_plan(batch)  # it folds the last step's lengths first
+        self._decoded = seq_lens
         if plan.keep is not None or self.filter is not None:  # SGLang's own requests decode here too, or a selection
             self._extend(batch, output, plan.rows(seq_lens))
             return

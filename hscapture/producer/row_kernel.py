@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
-import numpy as np
 import torch
 
 from hscapture.cuda_kernels import kernel
@@ -225,7 +224,7 @@ class GraphRows:
         self._entries = self._table.numpy()
         self._entries[:PLAN_ENTRIES, 0] = -1  # no entry's tag is a step yet: replay 0 waits for its own
         self._words = memoryview(self._entries).cast("B").cast("q")  # the entries' int64s, stored without numpy
-        self._control = self._entries[PLAN_ENTRIES].view(np.int32)
+        self._control = memoryview(self._entries[PLAN_ENTRIES]).cast("B").cast("i")  # Python ints: asked every step
         self._table_on_device = _device_pointer(self._table.data_ptr())
         self._counter = torch.zeros(1, dtype=torch.int64, device=device)
         self._current = torch.zeros(4, dtype=torch.int64, device=device)  # the replay's entry, read by every block
