@@ -477,7 +477,7 @@ class SGLangCapture(EngineCapture, engine="sglang", layers_key="sglang_layers_to
             except Exception as exc:  # capture must never take serving down: say why, stop capturing, serve on
                 self._fail(exc)
         finally:
-            if replay:
+            if replay and graph.pending:  # type: ignore[union-attr]  (planned: no call)
                 graph.settle()  # type: ignore[union-attr]
 
     def after_batch_result(self, result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
