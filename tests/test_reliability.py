@@ -223,6 +223,38 @@ def test_right_after_a_full_disk_verify_says_what_happened_and_that_a_rerun_comp
     assert all(open_store(root).record(key)["status"] == "incomplete" for key in report.unrecorded)
 
 
+def test_a_run_whose_shard_write_failed_gets_no_end_even_once_the_disk_has_room(small_disk: Path) -> None:
+    """The test above failed once in CI: its write failure had been reported before the close, and the close found
+    room for the run's end line. Made certain here: the failure is reported by a tick, the disk grows, then the run
+    ends. It must still end without a ``run_end`` line (its requests with rows in the shard not written are not
+    recorded: verify names them a stopped run's, not lost index lines), and say why again."""
+    root = small_disk / "store"
+    rng = np.random.default_rng(31)
+    writer = StoreWriter(root, 64 << 10)
+    writer.begin_run(*make_layout())
+    feed = Feed(writer, {f"r{i}": make_request(200, "float32", rng) for i in range(60)})
+    with pytest.raises(StoreError, match="No space left on device"):
+        for i in range(0, 60, 2):
+            for at in range(0, 200, 50):
+                feed.chunk([(f"r{i}", range(at, at + 50)), (f"r{i + 1}", range(at, at + 50))])
+            feed.finish(f"r{i}", num_tokens=200)
+            feed.finish(f"r{i + 1}", num_tokens=200)
+            writer.tick()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # a write still running reports its failure at a later tick
+            writer.tick()
+            time.sleep(0.01)
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    with pytest.raises(StoreError, match=r"write failed: .*run the same command again"):
+        writer.close("capture failed")
+    lines = [json.loads(line) for line in (root / "index.jsonl").read_text().splitlines()]
+    assert not [line for line in lines if line["type"] == "run_end"], lines[-3:]
+    report = verify_store(root)
+    assert not report.ok and report.unrecorded and report.unended == report.unrecorded, report
+    StoreWriter(root, 64 << 10).close()  # the rerun's writer records them first
+    assert verify_store(root).ok
+
+
 def test_full_disk_under_drop_never_touches_serving(
     small_disk: Path, endpoint: str, start_consumer: ConsumerFactory
 ) -> None:

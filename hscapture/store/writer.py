@@ -144,6 +144,8 @@ class _Run:
     fp8: bool
     #: Rows arrive as fp8 codes, scales and non-finite counts (quantized by the caller).
     quantized: bool
+    #: Why a shard write of the run failed (None while none did): the run then never gets a ``run_end`` line.
+    write_failed: str | None = None
 
 
 class StoreWriter:
@@ -454,6 +456,11 @@ class StoreWriter:
         self._commit_ready()
         if self._held:  # waiting for requests whose rows were never listed (a failed write): not any longer
             self._commit_ready(settle=True)
+        if run.write_failed is not None:
+            # Requests with rows in the shard not written are not recorded. Without a run_end, verify names them as
+            # a stopped run's, and the next writer's recovery records them (not this one: the disk may be full).
+            self._run = None
+            raise StoreError(run.write_failed)
         self._index.append([{"type": "run_end", "run_id": run.run_id, "reason": reason, "counters": counters}])
         self._run = None
 
@@ -753,7 +760,10 @@ class StoreWriter:
         self.requests_written += len(done)
         if failed is not None:
             shard_id, error = failed
-            raise StoreError(f"{self.root / shard_name(shard_id)}: write failed: {error}; {KEPT}") from error
+            why = f"{self.root / shard_name(shard_id)}: write failed: {error}; {KEPT}"
+            if self._run is not None:
+                self._run.write_failed = self._run.write_failed or why
+            raise StoreError(why) from error
 
     def _shared_line(self, request_id: str, request: Request) -> dict[str, Any]:
         """The request's line, its missing prefix taken by reference from a donor's rows where one holds it."""
