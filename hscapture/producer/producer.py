@@ -174,7 +174,7 @@ class Producer(EngineProducer):
         """See :meth:`EngineProducer.capture_step`. Steps whose owners are the very tuples of the step before go
         into its slot (up to :data:`RUN_STEPS`), announced together when the owners change, the slot or the
         run is full, a request ends, the engine polls or the producer closes."""
-        run = self._run
+        run, tried = self._run, False
         # A decode step of the run's very request tuples in a replay of a graph holding the copy (a decode loop, step
         # after step) joins the run's slot with no lock and no call but the join's (see _extend): the run's first step
         # checked the rows, the copy's capture its sources. Each call costs µs on a host the device wait left cold.
@@ -191,9 +191,8 @@ class Producer(EngineProducer):
             and positions.dtype is INT64 is token_ids.dtype  # what as_int64 takes as it is (flattened)
         ):
             position_bytes, token_bytes = positions.tobytes(), token_ids.tobytes()  # their length is the rows' check
-            if len(position_bytes) == len(token_bytes) == run.rows * 8 and self._extend(
-                run.step, states, (), request_ids, request_rows, run.rows, True
-            ):
+            tried = len(position_bytes) == len(token_bytes) == run.rows * 8
+            if tried and self._extend(run.step, states, (), request_ids, request_rows, run.rows, True):
                 run.positions.append(position_bytes)
                 run.token_ids.append(token_bytes)
                 return run.rows
@@ -206,7 +205,8 @@ class Producer(EngineProducer):
             token_ids = as_int64(token_ids, rows, "token_ids")
             self._wake_when_low()
             if (
-                run is not None
+                not tried  # (a join tried above found its slot full or the stream changed: so would this one)
+                and run is not None
                 and row_index is None
                 and request_ids is run.step.request_ids
                 and request_rows is run.step.request_rows
