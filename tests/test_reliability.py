@@ -227,7 +227,7 @@ def test_a_run_whose_shard_write_failed_gets_no_end_even_once_the_disk_has_room(
     """The test above failed once in CI: its write failure had been reported before the close, and the close found
     room for the run's end line. Made certain here: the failure is reported by a tick, the disk grows, then the run
     ends. It must still end without a ``run_end`` line (its requests with rows in the shard not written are not
-    recorded: verify names them a stopped run's, not lost index lines), and say why again."""
+    recorded: verify names them a stopped run's, not lost index lines), and raise again."""
     root = small_disk / "store"
     rng = np.random.default_rng(31)
     writer = StoreWriter(root, 64 << 10)
