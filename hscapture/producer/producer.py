@@ -185,17 +185,22 @@ class Producer(EngineProducer):
             and request_ids is run.step.request_ids
             and request_rows is run.step.request_rows
             and row_index is None
-            and len(run.positions) < RUN_STEPS
             and type(positions) is np.ndarray
             and type(token_ids) is np.ndarray
             and positions.dtype is INT64 is token_ids.dtype  # what as_int64 takes as it is (flattened)
         ):
             position_bytes, token_bytes = positions.tobytes(), token_ids.tobytes()  # their length is the rows' check
             tried = len(position_bytes) == len(token_bytes) == run.rows * 8
-            if tried and self._extend(run.step, states, (), request_ids, request_rows, run.rows, True):
-                run.positions.append(position_bytes)
-                run.token_ids.append(token_bytes)
-                return run.rows
+            if tried:
+                if len(run.positions) < RUN_STEPS and self._extend(
+                    run.step, states, (), request_ids, request_rows, run.rows, True
+                ):
+                    run.positions.append(position_bytes)
+                    run.token_ids.append(token_bytes)
+                    return run.rows
+                with self._lock:  # the held chunks and the free slots are the service thread's too
+                    if self._roll(run, position_bytes, token_bytes):
+                        return run.rows
         with self._lock:
             self._check_open()
             run, graph = self._run, self._copier.graph
@@ -485,6 +490,31 @@ class Producer(EngineProducer):
         step.rows += rows
         step.written += rows
         step.joined.append((request_ids, request_rows))
+        return True
+
+    def _roll(self, run: _Run, position_bytes: bytes, token_bytes: bytes) -> bool:
+        """The next step of ``run``'s requests, planned in a replay, into a fresh slot as a new run, and ``run``
+        announced: what a decode loop does every :data:`RUN_STEPS` steps, in as few calls as a join (False, with
+        nothing done, when no slot is free to take at once: the step takes the general path, which waits or drops).
+        The caller holds the lock and made the join's checks."""
+        ledger, free = self.ledger, self.ledger.free
+        if self._closed or not free or self._session.attached is None:
+            return False
+        if len(free) <= ledger.low:
+            self._wake()  # the service thread takes the releases now
+        slot, rows, stride = free.popleft(), run.rows, self._rows_per_slot
+        run.graph.plan(slot, 0, rows, 0, stride)  # type: ignore[union-attr]  # before the announcement: see capture_step
+        ledger.written[slot] = rows
+        counters, step = self.counters, run.step
+        counters.steps += 1
+        self._run = _Run(
+            WrittenStep(
+                counters.steps, rows, rows, step.request_ids, step.request_rows, [(slot, 0, rows)], stride,
+                self._current_stream(), True,
+            ),
+            [position_bytes], [token_bytes], rows, run.graph,
+        )  # fmt: skip
+        self._announce_step(step, run.positions, run.token_ids)
         return True
 
     def _settle(self) -> None:
