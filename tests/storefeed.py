@@ -6,6 +6,8 @@ that lands in the wrong place cannot pass for the right one.
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,3 +187,19 @@ def capture(feed: Feed, request_id: str, cached: int = 0, chunk: int = 9) -> Non
     """A whole request: its rows from ``cached`` on, then its end (the first ``cached`` from the prefix cache)."""
     send(feed, request_id, cached, chunk)
     finish_hit(feed, request_id, cached)
+
+
+def header_of(path: Path) -> tuple[int, dict[str, Any]]:
+    """(start of the data region, parsed header) of a safetensors file, by hand."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return 8 + length, json.loads(data[8 : 8 + length])
+
+
+def flip(path: Path, offset: int, mask: int = 0x01) -> None:
+    """Flip bits of one byte in place (a single-bit error with the default mask)."""
+    with path.open("r+b") as handle:
+        handle.seek(offset)
+        (byte,) = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte ^ mask]))

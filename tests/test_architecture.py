@@ -183,3 +183,16 @@ def test_the_readme_architecture_lists_every_module_under_its_tier() -> None:
         if short not in words and short.rpartition("/")[2] not in words:
             missing.append(f"{short} (tier {tier})")
     assert not missing, f"README's architecture misses: {missing}"
+
+
+def test_test_files_share_helpers_only_through_helper_modules() -> None:
+    """A test file imports helpers from ``conftest`` or a helper module (``tests/*.py`` not named ``test_*``), never
+    from another test file: running one file alone must not collect or depend on another's tests."""
+    wrong = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests.test_"):
+                wrong.append(f"{path.name} imports {node.module}")
+            if isinstance(node, ast.Import):
+                wrong += [f"{path.name} imports {a.name}" for a in node.names if a.name.startswith("tests.test_")]
+    assert not wrong, "\n".join(wrong)

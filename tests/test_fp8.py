@@ -30,13 +30,14 @@ from tests.storefeed import (
     NAMES,
     Feed,
     Request,
+    flip,
+    header_of,
     make_layout,
     shard_bytes,
     shard_files,
     special_rows,
     spread_rows,
 )
-from tests.test_verify import flip, header_of
 
 E4M3_REL = 2**-4
 SUBNORMAL_ABS = 2**-10

@@ -35,7 +35,7 @@ from hscapture.protocol import Chunk, EndOfStream, Hello, Layout, Release, Reque
 from hscapture.ring import SHM_DIR, HostRing
 from hscapture.transport import ProducerSockets, release_endpoint
 from tests.conftest import ConsumerFactory, LoggedConsumer, wait_attached
-from tests.workload import Workload, make_config, make_producer
+from tests.workload import Workload, check_store, make_config, make_producer
 
 MiB = 1 << 20
 _enc = msgspec.msgpack.encode
@@ -104,26 +104,6 @@ def fuzz_payloads(seed: int, count: int, templates: list[bytes], tags: list[str]
 
 
 # =========================================================================== the producer under fire
-
-
-def check_store(out: Path, workloads: list[Workload]) -> dict[str, dict]:
-    """Every stored row equals the row produced at its position (as in test_pipeline.check_store)."""
-    store = open_store(out)
-    references = {rid: w for w in workloads for rid in w.requests}
-    records = {}
-    for rid in store:
-        sample = store.get(rid)
-        rows, tokens = references[rid].reference(rid)
-        positions = sample["positions"]
-        assert positions.unique().numel() == positions.numel(), f"{rid}: duplicate positions"
-        stored = torch.stack([sample[name] for name in ("layer_1", "layer_3", "last")], dim=1)
-        assert torch.equal(stored.view(torch.int32), rows[positions].view(torch.int32)), f"{rid}: rows differ"
-        assert sample["input_ids"].tolist() == [tokens[p] for p in positions.tolist()], rid
-        record = store.record(rid)
-        if record["status"] == "complete":
-            assert positions.tolist() == list(range(len(tokens))), rid
-        records[rid] = record
-    return records
 
 
 def assert_slots_accounted(producer: Producer) -> None:

@@ -17,7 +17,7 @@ from hscapture import open_store
 from hscapture.producer import Producer, announcer
 from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, wait_attached
-from tests.workload import HIDDEN, NUM_TENSORS, Workload, make_config, make_producer
+from tests.workload import HIDDEN, NUM_TENSORS, Workload, check_store, make_config, make_producer
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -26,27 +26,6 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA 
 def device(request: pytest.FixtureRequest) -> str:
     """Every pipeline contract holds for the host ring and, on a GPU host, for the CUDA IPC ring."""
     return request.param
-
-
-def check_store(out: Path, workloads: list[Workload], keys: list[str] | None = None) -> dict[str, dict]:
-    """Every stored row equals the row produced at its position; returns records by request id."""
-    store = open_store(out)
-    references = {rid: w for w in workloads for rid in w.requests}
-    records = {}
-    for rid in store.keys() if keys is None else keys:
-        sample = store.get(rid)
-        rows, tokens = references[rid].reference(rid)
-        positions = sample["positions"]
-        assert positions.unique().numel() == positions.numel(), f"{rid}: duplicate positions"
-        stored = torch.stack([sample[name] for name in ("layer_1", "layer_3", "last")], dim=1)
-        assert torch.equal(stored, rows[positions]), f"{rid}: rows differ from what was produced"
-        assert sample["input_ids"].tolist() == [tokens[p] for p in positions.tolist()], rid
-        record = store.record(rid)
-        if record["status"] == "complete":
-            assert positions.tolist() == list(range(len(tokens))), rid
-            assert sample["loss_mask"].tolist() == [0] + [1] * (len(tokens) - 1), rid
-        records[rid] = record
-    return records
 
 
 def test_discard_drains_and_releases_everything_and_writes_nothing(

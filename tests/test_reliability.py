@@ -29,8 +29,7 @@ from hscapture.store.writer import StoreWriter
 from hscapture.tiny import write_demo_jsonl
 from tests.conftest import ConsumerFactory, wait_attached
 from tests.storefeed import Feed, make_layout, make_request
-from tests.test_pipeline import check_store
-from tests.workload import Workload, make_config, make_producer
+from tests.workload import Workload, check_store, make_config, make_producer
 
 ROOT = Path(__file__).resolve().parents[1]
 

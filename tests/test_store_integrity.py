@@ -34,13 +34,7 @@ from hscapture.store.repair import LOST, repair_store
 from hscapture.store.verify import verify_store
 from hscapture.store.writer import StoreWriter
 from tests.conftest import TINY_SAMPLES, run_cli
-from tests.storefeed import Feed, make_layout, make_request, shard_bytes
-
-
-def header_of(path: Path) -> tuple[int, dict[str, Any]]:
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    return 8 + length, json.loads(data[8 : 8 + length])
+from tests.storefeed import Feed, flip, header_of, make_layout, make_request, shard_bytes
 
 
 def owner_of_row(path: Path, row: int) -> tuple[str, int]:
@@ -54,14 +48,6 @@ def owner_of_row(path: Path, row: int) -> tuple[str, int]:
 
     request_ids = json.loads(header["__metadata__"]["request_ids"])
     return request_ids[field("request_index", "<i", 4)], field("positions", "<q", 8)
-
-
-def flip(path: Path, offset: int) -> None:
-    with path.open("r+b") as handle:
-        handle.seek(offset)
-        (byte,) = handle.read(1)
-        handle.seek(offset)
-        handle.write(bytes([byte ^ 0x10]))
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -83,7 +69,7 @@ def test_a_flipped_byte_in_a_row_is_refused_by_every_reader(
     rows, width = header["layer_4"]["shape"][0], header["layer_4"]["shape"][1]
     row = rows // 2
     itemsize = 1 if header["layer_4"]["dtype"] == "F8_E4M3" else 2
-    flip(shard, base + header["layer_4"]["data_offsets"][0] + row * width * itemsize + 7)
+    flip(shard, base + header["layer_4"]["data_offsets"][0] + row * width * itemsize + 7, 0x10)
     key, position = owner_of_row(shard, row)
 
     store = open_store(root)
@@ -176,10 +162,10 @@ def test_repair_marks_the_requests_a_damaged_shard_cannot_serve_so_readers_skip_
     base, header = header_of(shard)
     if where == "a row":
         row, width = 3, header["layer_5"]["shape"][1]
-        flip(shard, base + header["layer_5"]["data_offsets"][0] + row * width * 4 + 2)
+        flip(shard, base + header["layer_5"]["data_offsets"][0] + row * width * 4 + 2, 0x10)
         damaged = {owner_of_row(shard, row)[0]}
     else:
-        flip(shard, base + header["token_ids"]["data_offsets"][0] + 8)
+        flip(shard, base + header["token_ids"]["data_offsets"][0] + 8, 0x10)
         damaged = {k for k in requests if any(span[0] == 1 for span in open_store(root).record(k)["spans"])}
     assert 0 < len(damaged) < len(requests) or where == "a token id"
 

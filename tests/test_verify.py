@@ -34,7 +34,16 @@ from hscapture.store.records import Finish
 from hscapture.store.verify import BLOCK_BYTES, ShardCheck, VerifyReport, format_report, verify_store
 from hscapture.store.writer import StoreWriter
 from tests.conftest import run_cli
-from tests.storefeed import ROWS_PER_SHARD, Feed, make_layout, make_request, shard_bytes, write_rows
+from tests.storefeed import (
+    ROWS_PER_SHARD,
+    Feed,
+    flip,
+    header_of,
+    make_layout,
+    make_request,
+    shard_bytes,
+    write_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = {"r-a": 5, "r-b": 12, "r-c": 9, "r-d": 16}  # 42 rows: six full shards of 7
@@ -91,22 +100,6 @@ def build_store(root: Path, seed: int = 0) -> Built:
 @pytest.fixture
 def built(tmp_path: Path) -> Built:
     return build_store(tmp_path / "store")
-
-
-def header_of(path: Path) -> tuple[int, dict[str, Any]]:
-    """(start of the data region, parsed header) of a safetensors file, by hand."""
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    return 8 + length, json.loads(data[8 : 8 + length])
-
-
-def flip(path: Path, offset: int, mask: int = 0x01) -> None:
-    """Flip bits of one byte in place (a single-bit error with the default mask)."""
-    with path.open("r+b") as handle:
-        handle.seek(offset)
-        (byte,) = handle.read(1)
-        handle.seek(offset)
-        handle.write(bytes([byte ^ mask]))
 
 
 def shard_lines(root: Path) -> list[dict[str, Any]]:

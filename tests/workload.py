@@ -11,9 +11,11 @@ import argparse
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from hscapture import open_store
 from hscapture.config import CaptureConfig
 from hscapture.producer import Producer
 
@@ -166,6 +168,28 @@ class Workload:
         """``[positions, NUM_TENSORS, HIDDEN]`` and token ids of everything produced for ``rid``."""
         request = self.requests[rid]
         return torch.stack(request.rows), request.tokens
+
+
+def check_store(out: Path, workloads: list[Workload], keys: list[str] | None = None) -> dict[str, dict]:
+    """Every stored row (``keys``: of these requests only) is bitwise the row produced at its position, with its token
+    id; a complete request has every position and its loss mask. Returns the records by request id."""
+    store = open_store(out)
+    references = {rid: w for w in workloads for rid in w.requests}
+    records = {}
+    for rid in store.keys() if keys is None else keys:
+        sample = store.get(rid)
+        rows, tokens = references[rid].reference(rid)
+        positions = sample["positions"]
+        assert positions.unique().numel() == positions.numel(), f"{rid}: duplicate positions"
+        stored = torch.stack([sample[name] for name in ("layer_1", "layer_3", "last")], dim=1)
+        assert torch.equal(stored.view(torch.int32), rows[positions].view(torch.int32)), f"{rid}: rows differ"
+        assert sample["input_ids"].tolist() == [tokens[p] for p in positions.tolist()], rid
+        record = store.record(rid)
+        if record["status"] == "complete":
+            assert positions.tolist() == list(range(len(tokens))), rid
+            assert sample["loss_mask"].tolist() == [0] + [1] * (len(tokens) - 1), rid
+        records[rid] = record
+    return records
 
 
 def main() -> None:
