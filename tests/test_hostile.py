@@ -121,7 +121,7 @@ def rejections(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()[len(REJECTED_ON_RELEASE) :]
         for r in caplog.records
-        if r.name == "hscapture.producer.producer" and r.getMessage().startswith(REJECTED_ON_RELEASE)
+        if r.name == "hscapture.producer.link" and r.getMessage().startswith(REJECTED_ON_RELEASE)
     ]
 
 

@@ -3,18 +3,20 @@ session, the step checks, the row copier, and the engine-facing base class."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from hscapture import protocol
-from hscapture.errors import ProtocolError
+from hscapture.errors import CreditTimeout, ProtocolError
 from hscapture.ownership import process_place
 from hscapture.producer import EngineProducer, NullProducer, WrittenStep
 from hscapture.producer.announcer import FLUSH_CHUNKS, Announcer
@@ -22,6 +24,7 @@ from hscapture.producer.base import ProducerCounters
 from hscapture.producer.checks import StepChecks, as_int64
 from hscapture.producer.copier import RowCopier
 from hscapture.producer.ledger import SlotLedger
+from hscapture.producer.link import ConsumerLink
 from hscapture.producer.service import ServiceThread
 from hscapture.producer.session import TAKEOVER_MIN_S, ConsumerSession
 from tests.workload import HIDDEN, NUM_TENSORS, make_config
@@ -318,6 +321,66 @@ def test_a_confirmation_cut_short_leaves_no_consumer_attached() -> None:
     wire.down.add("c1")
     run.on_hello(hello("c1", run_id="run1"))  # attached to us before: confirms at once, but its connection is down
     assert run.attached is None and ledger.in_flight[0].consumer == "gone"
+
+
+# ---------------------------------------------------------------------------------------------- link
+
+
+@pytest.fixture
+def link_pair() -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
+    """A control socket (PULL, as the producer's) and a consumer's PUSH into it, in this process."""
+    context = zmq.Context()
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    pull.bind("inproc://control")
+    push.connect("inproc://control")
+    yield pull, push
+    push.close(linger=0)
+    pull.close(linger=0)
+    context.term()
+
+
+def test_the_link_hands_hellos_and_releases_to_the_session_and_counts_what_does_not_decode(
+    link_pair: tuple[zmq.Socket, zmq.Socket], caplog: pytest.LogCaptureFixture
+) -> None:
+    pull, push = link_pair
+    run, ledger, wire, counters = session()
+    link = ConsumerLink(pull, run, make_config("ipc:///x", policy="drop"), counters)
+    assert not link.send(b"chunk") and not wire.sent, "drop: no consumer attached, no wait"
+    push.send(protocol.encode(hello("c1")))
+    push.send(b"\x93not a message")
+    push.send(protocol.encode(hello("c1", run_id="run1")))
+    assert link.wait(5000)
+    while run.attached is None:
+        link.wait(100)
+    assert run.attached == "c1" and counters.messages_rejected == 1
+    assert "rejected message on release socket" in caplog.text
+    in_flight(ledger, 0, 1, "c1")
+    push.send(protocol.encode(protocol.Release(v=V, consumer_id="c1", slot=0, seq=1)))
+    while ledger.in_flight:
+        link.wait(100)
+    assert list(ledger.free)[-1] == 0 and link.send(b"chunk") and wire.sent[-1] == ("c1", b"chunk")
+
+
+def test_a_block_wait_ends_when_ready_when_its_watchdog_raises_or_at_its_timeout(
+    link_pair: tuple[zmq.Socket, zmq.Socket],
+) -> None:
+    pull, _ = link_pair
+    run, _, _, counters = session()
+    link = ConsumerLink(pull, run, make_config("ipc:///x", policy="block"), counters)
+    turns = iter(range(3))
+    link.wait_until(lambda: next(turns) == 2, "a free ring slot")
+    assert counters.credit_waits == 1 and counters.credit_wait_us >= 2 * 20_000 * 0.9  # two polls of POLL_MS
+
+    def watchdog() -> None:
+        raise RuntimeError("the consumer process exited")
+
+    watched = ConsumerLink(pull, run, make_config("ipc:///x", policy="block"), counters, watchdog)
+    with pytest.raises(RuntimeError, match="consumer process exited"):
+        watched.send(b"chunk")  # nobody attached: it waits, and the watchdog stops it
+    config = dataclasses.replace(make_config("ipc:///x", policy="block"), block_timeout_s=0.05)
+    with pytest.raises(CreditTimeout, match=r"for a consumer to send to \(block_timeout_s=0.05\); is `hscapture con"):
+        ConsumerLink(pull, run, config, counters).send(b"chunk")
+    assert counters.credit_waits == 3
 
 
 # ---------------------------------------------------------------------------------------------- checks

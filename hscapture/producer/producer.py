@@ -2,9 +2,10 @@
 
 It joins its parts, each in its own module: the step checks (:mod:`~hscapture.producer.checks`),
 the row copier (:mod:`~hscapture.producer.copier`), the slot ledger (:mod:`~hscapture.producer.ledger`),
-the announcer that holds chunks back and sends them together (:mod:`~hscapture.producer.announcer`)
-and the consumer session (:mod:`~hscapture.producer.session`). What is left here is the order of
-things and the waiting: under ``block`` for credit or a consumer, under ``drop`` never.
+the announcer that holds chunks back and sends them together (:mod:`~hscapture.producer.announcer`),
+the consumer session (:mod:`~hscapture.producer.session`) and the link that sends to the consumer and
+waits on its sockets (:mod:`~hscapture.producer.link`). What is left here is the order of things and
+when to wait: under ``block`` for credit or a consumer, under ``drop`` never.
 
 The sockets are served by a thread of the producer's own (:mod:`~hscapture.producer.service`) every
 ``SERVICE_S`` while steps run: it encodes and sends the held chunks and takes releases and hellos,
@@ -12,7 +13,8 @@ mostly while the engine's thread waits for the device with the GIL released, so 
 for neither. The engine's thread serves them itself only where it must: no free slot, a wait under
 ``block``, a request's end, ``poll`` and ``close``. One lock keeps the two apart; the engine's thread
 takes it once per call, except for a decode step that joins an open slot in a replay of a graph holding
-the copy: that touches nothing the service thread changes (see ``Producer._extend``), and takes no lock.
+the copy: that touches nothing the service thread changes (see ``Producer._extend``), and takes no lock
+(its roll into the next slot every ``RUN_STEPS`` steps takes it once).
 """
 
 from __future__ import annotations
@@ -31,17 +33,17 @@ from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
 from hscapture import protocol
 from hscapture.config import CaptureConfig
-from hscapture.errors import CreditTimeout, HSCaptureError, ProtocolError
+from hscapture.errors import HSCaptureError
 from hscapture.ownership import pid_alive
 from hscapture.producer.announcer import Announcer, Held
 from hscapture.producer.base import EngineProducer, ProducerCounters, WrittenStep
 from hscapture.producer.checks import INT64, StepChecks, as_int64
 from hscapture.producer.copier import RowCopier
 from hscapture.producer.ledger import SlotLedger
+from hscapture.producer.link import POLL_MS, ConsumerLink
 from hscapture.producer.row_kernel import PLAN_WAIT_S, GraphRows
 from hscapture.producer.service import ServiceThread, next_wait
 from hscapture.producer.session import ConsumerSession
@@ -50,9 +52,6 @@ from hscapture.transport import ProducerSockets, publish_token, withdraw_token
 
 log = logging.getLogger(__name__)
 
-#: How long one wait for credit or a consumer polls before checking its deadline again.
-_POLL_MS = 20
-_POLLIN = int(zmq.POLLIN)
 #: Steps of the same requests that :meth:`Producer.capture_step` puts into one slot at most, announced as one chunk
 #: (fewer when the slot fills first). It bounds how long the first step's rows wait to be announced.
 RUN_STEPS = 16
@@ -143,8 +142,6 @@ class Producer(EngineProducer):
         self._run: _Run | None = None
         self._request_drops: dict[str, int] = {}
         self._closed = False
-        self._watchdog = watchdog
-        self._release = self._sockets.release
         self._current_stream = self.ring.stream_reader()
         try:
             publish_token(config.endpoint, self.token)
@@ -152,8 +149,7 @@ class Producer(EngineProducer):
             self._sockets.close()
             self.ring.close()
             raise
-        self._poller = zmq.Poller()
-        self._poller.register(self._release, zmq.POLLIN)
+        self._link = ConsumerLink(self._sockets.release, self._session, config, self.counters, watchdog)
         self._lock = threading.RLock()  # the sockets and the ledger: the engine's thread or the service thread
         self._stopping = False
         self._served_steps = -1
@@ -335,7 +331,7 @@ class Producer(EngineProducer):
                 prefix_token_ids=protocol.pack_rows(np.asarray(prefix_token_ids)) if len(prefix_token_ids) else b"",
                 positions=positions,
             )
-            if not self._send(protocol.encode(message)):
+            if not self._link.send(protocol.encode(message)):
                 self.counters.events_dropped += 1
 
     def graph_rows(self) -> GraphRows | None:
@@ -363,8 +359,8 @@ class Producer(EngineProducer):
                 return False
             with self._lock:  # held for one poll at a time: the service thread may attach it meanwhile
                 self._check_open()
-                if self._poller.poll(min(_POLL_MS, max(1, round(remaining * 1000)))):
-                    self._serve()
+                if self._link.wait(min(POLL_MS, max(1, round(remaining * 1000)))):
+                    self._flush()
         return True
 
     def close(self, timeout_s: float = 30.0, error: str = "") -> ProducerCounters:
@@ -384,12 +380,12 @@ class Producer(EngineProducer):
             rows, slots = self.ledger.drop_written()  # written by write_step, never announced: the consumer lacks them
             self.counters.rows_dropped += rows
             self.counters.chunks_dropped += slots
-            self._drain_control()
+            self._link.drain()
             deadline = time.monotonic() + timeout_s
             while session.offered is not None and time.monotonic() < deadline:  # it opens the ring: let it confirm
                 if session.peer_pid and not pid_alive(session.peer_pid):
                     break  # it died opening it: nobody to end the stream to
-                self._wait_control()
+                self._link.wait()
             if session.attached is not None:
                 self._flush()
             else:  # nobody to send them to, and no reason to wait for one
@@ -399,9 +395,9 @@ class Producer(EngineProducer):
             eos = protocol.EndOfStream(
                 v=protocol.PROTOCOL_VERSION, run_id=self.run_id, counters=self.counters.to_dict(), error=error
             )
-            if session.attached is not None and self._send(protocol.encode(eos)):
+            if session.attached is not None and self._link.send(protocol.encode(eos)):
                 while self.ledger.in_flight and time.monotonic() < deadline:
-                    self._wait_control()
+                    self._link.wait()
                 if self.ledger.in_flight:
                     log.warning("closing with %d slots not released by the consumer", len(self.ledger.in_flight))
         except HSCaptureError as exc:  # no consumer to deliver to (timeout, or the watchdog said so)
@@ -585,7 +581,7 @@ class Producer(EngineProducer):
                 return
         else:
             try:
-                sent = self._send(payload)
+                sent = self._link.send(payload)
             except BaseException:  # block gave up waiting (or was stopped): the rows are lost, count them
                 self._drop_held(held)
                 raise
@@ -620,7 +616,7 @@ class Producer(EngineProducer):
     def _serve(self, wait: bool = True) -> None:
         """Send the held chunks, then take releases and hellos."""
         self._flush(wait)
-        self._drain_control()
+        self._link.drain()
 
     def _serve_turn(self) -> float:
         """One turn of the service thread; returns how long to wait for the next (-1: stop)."""
@@ -651,64 +647,8 @@ class Producer(EngineProducer):
                 f"ring: all {self.config.num_slots} slots hold rows written and not announced yet; announce "
                 "written steps before writing more, or raise ring_bytes"
             )
-        self._wait_until(lambda: bool(ledger.free) and session.attached is not None, "a free ring slot")
+        self._link.wait_until(lambda: bool(ledger.free) and session.attached is not None, "a free ring slot")
         return ledger.take()
-
-    def _send(self, payload: bytes) -> bool:
-        """Send to the attached consumer; under ``drop`` give up at once, under ``block`` wait for one."""
-        session = self._session
-        if session.send(payload):
-            return True
-        if self.config.policy == "drop":
-            return False
-        self._wait_until(lambda: session.send(payload), "a consumer to send to")
-        return True
-
-    def _wait_until(self, ready: Callable[[], bool], what: str) -> None:
-        """Block (``block`` policy) serving the control socket until ``ready()`` holds."""
-        self.counters.credit_waits += 1
-        start = time.monotonic()
-        timeout = self.config.block_timeout_s
-        next_warning = start + 10.0
-        try:
-            while not ready():
-                now = time.monotonic()
-                if timeout and now - start > timeout:
-                    raise CreditTimeout(
-                        f"waited {now - start:.0f} s for {what} (block_timeout_s={timeout}); "
-                        f"is `hscapture consume --endpoint {self.config.endpoint}` running?"
-                    )
-                if now > next_warning:
-                    log.warning("waiting %.0f s for %s; is a consumer running?", now - start, what)
-                    next_warning = now + 10.0
-                if self._watchdog is not None:
-                    self._watchdog()
-                self._wait_control()
-        finally:
-            self.counters.credit_wait_us += round((time.monotonic() - start) * 1e6)
-
-    def _wait_control(self) -> None:
-        if self._poller.poll(_POLL_MS):
-            self._drain_control()
-
-    def _drain_control(self) -> None:
-        # Asking for EVENTS is far cheaper than a recv that raises zmq.Again on every step; the
-        # flag is a plain int here (zmq.POLLIN is an IntFlag, whose `&` runs in Python).
-        session = self._session
-        while self._release.get(zmq.EVENTS) & _POLLIN:
-            try:
-                data = self._release.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                message = protocol.decode_to_producer(data)
-                if isinstance(message, protocol.Release):
-                    session.on_release(message)
-                else:
-                    session.on_hello(message)
-            except ProtocolError as exc:
-                self.counters.messages_rejected += 1
-                log.warning("rejected message on release socket: %s", exc)
 
     def _layout(self, consumer_id: str) -> bytes:
         """The encoded layout offered to ``consumer_id``: everything it needs to open the ring and read the rows."""
