@@ -8,6 +8,7 @@ here the host does what it would do with each entry, so CI checks the producer's
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,9 +68,29 @@ def host_graph_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(GraphRows, "load", classmethod(lambda cls, *args: HostGraphRows(*args)))
 
 
+def runs_of(steps: Sequence[tuple[int, bool]], rows_per_slot: int) -> tuple[int, int]:
+    """The chunks that ``steps`` (each ``(rows, indexed)``, all of the same requests) are announced as, and how many
+    times a run rolls into a new slot: a run takes the next step while it holds fewer than RUN_STEPS steps and its slot
+    has room, else that step opens the next run; an indexed step is a chunk of its own and ends the run before it."""
+    chunks = rolls = run_steps = run_rows = 0
+    for rows, indexed in steps:
+        if not indexed and run_steps and run_steps < RUN_STEPS and run_rows + rows <= rows_per_slot:
+            run_steps, run_rows = run_steps + 1, run_rows + rows
+            continue
+        rolls += 1 if run_steps and not indexed else 0
+        chunks += (1 if run_steps else 0) + (1 if indexed else 0)
+        run_steps, run_rows = (0, 0) if indexed else (1, rows)
+    return chunks + (1 if run_steps else 0), rolls
+
+
 @pytest.mark.parametrize("policy", ["block", "drop"])
 def test_replayed_decode_runs_are_stored_bitwise_through_joins_and_rolls(
-    tmp_path: Path, endpoint: str, start_consumer: ConsumerFactory, host_graph_rows: None, policy: str
+    tmp_path: Path,
+    endpoint: str,
+    start_consumer: ConsumerFactory,
+    host_graph_rows: None,
+    monkeypatch: pytest.MonkeyPatch,
+    policy: str,
 ) -> None:
     """Replays of one graph (batch 32, then its first 3 rows as a smaller batch, then the whole again): each run's
     steps join one slot until RUN_STEPS or a full slot rolls them into the next; a step with a row index copies
@@ -98,12 +119,20 @@ def test_replayed_decode_runs_are_stored_bitwise_through_joins_and_rolls(
         mark_written(index, stream)
 
     producer.ring.mark_written = watched  # type: ignore[method-assign]
+    rolled: list[bool] = []  # the path under test: each run's roll into its next slot, in one call under the lock
+    roll = Producer._roll
+
+    def counted(self: Producer, *args: object) -> bool:
+        rolled.append(roll(self, *args))  # type: ignore[arg-type]
+        return rolled[-1]
+
+    monkeypatch.setattr(Producer, "_roll", counted)
     whole = tuple(f"w{i}" for i in range(batch)), (1,) * batch
     small = whole[0][:3], (1,) * 3
     references: dict[str, list[torch.Tensor]] = {}
     generator = torch.Generator().manual_seed(0)
     phases = [(whole, 20), (small, 2 * RUN_STEPS + 5), (whole, 7)]
-    step = 0
+    step, taken = 0, []
     for owners, steps in phases:
         rows = len(owners[0])
         states = outputs if rows == batch else [o[:rows] for o in outputs]
@@ -112,6 +141,7 @@ def test_replayed_decode_runs_are_stored_bitwise_through_joins_and_rolls(
                 output.copy_(torch.randn(output.shape, generator=generator).bfloat16())
             copy.launched()
             position = np.array([len(references.get(r, ())) for r in owners[0]], dtype=np.int64)
+            taken.append((rows, step in (5, 59)))
             if step in (5, 59):  # rows picked by an index: copied eagerly, the replay's entry has none
                 producer.capture_step(states, *owners, position, position + 7, row_index=torch.arange(rows))
             else:
@@ -131,6 +161,10 @@ def test_replayed_decode_runs_are_stored_bitwise_through_joins_and_rolls(
     stored = store.keys(complete_only=True)
     if policy == "block":
         assert counters.rows_dropped == 0 and sorted(stored) == sorted(whole[0])
+        phase_starts = [0, 20, 20 + 2 * RUN_STEPS + 5, step]  # each phase's requests: runs of their own
+        chunks, rolls = (sum(n) for n in zip(*(runs_of(taken[a:b], 96) for a, b in itertools.pairwise(phase_starts))))
+        assert counters.chunks_announced == chunks
+        assert len(rolled) == rolls > 5 and any(rolled), rolled  # (a roll finding no free slot takes the general path)
     assert counters.rows_captured + counters.rows_dropped == sum(len(r) for r in references.values())
     for request in stored:
         sample, want = store.get(request), torch.stack(references[request])
