@@ -70,8 +70,12 @@ class ServeOptions:
     #: Seconds between the consumer's flushes to disk (default: the consumer's): a consumer killed loses at most
     #: this much of what it copied out.
     flush_s: float | None = None
-    #: Bytes of one ring slot (default: room for 512 rows, a decode run of 8 steps at batch 64; at least 4 MiB).
+    #: Bytes of one ring slot (default: room for 2048 rows, a decode run of 16 steps at batch 128; at least 4 MiB).
     slot_bytes: int | None = None
+    #: Bytes of the ring, a whole number of ``--slot-bytes`` slots (default: two of the engine's largest steps, at
+    #: least 8 slots). Under ``drop`` a consumer that falls this many slots behind (each step's rows take one until
+    #: released) makes the producer drop rows: more slots ride out longer stalls of a busy host.
+    ring_bytes: int | None = None
     #: On a GPU, copy decode rows from inside SGLang's decode CUDA graphs, planned by the forward hook (no
     #: launch per step); --no-graph-copy: one launch per decode step from the hook.
     graph_copy: bool = True
@@ -89,6 +93,7 @@ def serve(options: ServeOptions, engine_args: list[str]) -> int:
     if options.engine not in ENGINES:
         raise ValueError(f"--engine: {options.engine!r} is unknown; use one of {ENGINES}")
     check_rate(options.sample_rate)
+    check_ring(options.slot_bytes, options.ring_bytes)
     base = options.endpoint or f"ipc:///tmp/hscapture-{os.getuid()}/serve-{os.getpid()}"
     capture = ServeCapture(
         endpoint=base,
@@ -96,6 +101,7 @@ def serve(options: ServeOptions, engine_args: list[str]) -> int:
         capture_last=options.capture_last,
         policy=options.policy,
         slot_bytes=options.slot_bytes,
+        ring_bytes=options.ring_bytes,
         meta={
             "launcher": "hscapture serve",
             "server_args": engine_args,
@@ -150,6 +156,27 @@ def serve(options: ServeOptions, engine_args: list[str]) -> int:
         _stop_consumers([c.process for c in consumers], options.grace_s)
     _summary(folders)
     return 0 if stopping else code
+
+
+def check_ring(slot_bytes: int | None, ring_bytes: int | None) -> None:
+    """Refuse, before the engine starts, a ring that is not a whole number (at least 2) of the slots given.
+
+    Raises:
+        ValueError: ``ring_bytes`` without ``slot_bytes`` (the default slot depends on the model's rows), or not
+            a whole number of at least 2 slots.
+    """
+    if ring_bytes is None:
+        return
+    if slot_bytes is None:
+        raise ValueError(
+            "--ring-bytes: give --slot-bytes with it (the ring is a whole number of slots, and the default slot "
+            "depends on the model's row size)"
+        )
+    if ring_bytes < 2 * slot_bytes or ring_bytes % slot_bytes:
+        raise ValueError(
+            f"--ring-bytes: {ring_bytes} is not a whole number of at least 2 slots of --slot-bytes {slot_bytes}; "
+            f"use {max(2, ring_bytes // slot_bytes) * slot_bytes}"
+        )
 
 
 def _server_launch(engine: str, engine_args: list[str], capture: ServeCapture) -> ServerLaunch:

@@ -78,12 +78,18 @@ def test_plugin_is_inert_unless_switched_on_and_refuses_bad_settings(monkeypatch
     assert PluginSettings.from_env(PluginSettings(endpoint="ipc:///tmp/x").to_env()).endpoint == "ipc:///tmp/x"
 
 
-def test_serve_refuses_pipeline_parallelism_and_a_missing_model(tmp_path: Path) -> None:
+def test_serve_refuses_pipeline_parallelism_a_missing_model_and_a_ring_of_no_whole_slots(tmp_path: Path) -> None:
     command = ["serve", "--out", tmp_path / "s", "--"]
     status, stderr = cli_refusal(*command, "--model-path", "m", "--pp-size", "2")
     assert status == 2 and "pipeline parallelism" in stderr, stderr
     status, stderr = cli_refusal(*command, "--port", "1")
     assert status == 2 and "--model-path" in stderr, stderr
+    ring = ["serve", "--out", tmp_path / "s", "--ring-bytes", str(40 << 20)]
+    status, stderr = cli_refusal(*ring, "--", "--model-path", "m")
+    assert status == 2 and "--ring-bytes: give --slot-bytes with it" in stderr, stderr
+    status, stderr = cli_refusal(*ring, "--slot-bytes", str(16 << 20), "--", "--model-path", "m")
+    assert status == 2 and f"is not a whole number of at least 2 slots of --slot-bytes {16 << 20}" in stderr, stderr
+    assert f"use {32 << 20}" in stderr, stderr
     assert not (tmp_path / "s").exists()  # refused before anything was started or written
 
 

@@ -126,6 +126,12 @@ class Serve:
             str(out),
             "--flush-s",
             "0.5",
+            # 32 slots: under drop, a consumer starved of the CI host's 2 cores by vLLM's processes fell 8 slots (the
+            # default ring) behind in a burst of prefill chunks, and rows sent while it was attached were dropped
+            "--slot-bytes",
+            str(4 << 20),
+            "--ring-bytes",
+            str(128 << 20),
         ]
         if sample_rate is not None:
             command += ["--sample-rate", str(sample_rate)]

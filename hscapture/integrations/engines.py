@@ -225,6 +225,8 @@ class ServeCapture:
     graph_copy: bool = True
     #: The share of requests captured (None: every one).
     sample_rate: float | None = None
+    #: Ring bytes, a whole number of ``slot_bytes`` slots (None: the plugin's default).
+    ring_bytes: int | None = None
 
 
 @dataclass(frozen=True)

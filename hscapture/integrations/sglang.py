@@ -247,6 +247,7 @@ def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
         capture_last=capture.capture_last,
         policy=capture.policy,
         slot_bytes=capture.slot_bytes,
+        ring_bytes=capture.ring_bytes,
         meta=capture.meta,
         graph_copy=capture.graph_copy,
         layers=list(plan.layers),

@@ -183,6 +183,7 @@ def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
         capture_last=capture.capture_last,
         policy=capture.policy,
         slot_bytes=capture.slot_bytes,
+        ring_bytes=capture.ring_bytes,
         meta=capture.meta,
         sample_rate=capture.sample_rate,
         attach_wait_s=60.0,
