@@ -47,6 +47,8 @@ WORDS = "the quick brown fox jumps over the lazy dog while seven cats watch from
 SYSTEM = (WORDS * 12).strip()
 #: The share of requests captured: the ids below are chosen so that some of each kind of request are not sampled.
 RATE = 0.7
+#: A request of part 2 read as a stream (its first chunk says that it runs), not kept in the test's results.
+STREAMED = "b-stream"
 
 
 def _free_port() -> int:
@@ -76,13 +78,18 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(response.read())
 
 
-def _hang_up(url: str, body: dict[str, Any]) -> None:
-    """Stream a long answer and close the connection after two chunks: vLLM aborts the request."""
+def _streaming(url: str, body: dict[str, Any]) -> Any:
+    """A streamed answer once its first chunk has come: vLLM runs the request (it sends a chunk per output)."""
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     response = urllib.request.urlopen(request, timeout=300)
-    for _ in range(2):
-        response.readline()
-    response.close()
+    while not response.readline().startswith(b"data:"):
+        pass
+    return response
+
+
+def _hang_up(url: str, body: dict[str, Any]) -> None:
+    """Stream a long answer and close the connection after its first chunk: vLLM aborts the request."""
+    _streaming(url, body).close()
 
 
 def _gauge(base: str, name: str) -> float:
@@ -265,11 +272,15 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
     durable = {_key(rid) for rid in [*results, "hang-0"] if sampled(_key(rid), RATE)}
     _wait(lambda: durable <= server.stored(), 60, "the requests so far on disk")
 
-    # 2. The consumer killed while requests run; vLLM serves them to the end, and serve starts another consumer.
+    # 2. The consumer killed while requests run (a streamed one has had its first chunk, and has 199 tokens to go);
+    # vLLM serves them to the end, and serve starts another consumer.
     bodies = [_chat(server, f"b-{i}", f"count {i}", max_tokens=96, ignore_eos=True) for i in range(3)]
     asking = Asking(server, bodies, results)
-    _wait(lambda: _gauge(server.base, "vllm:num_requests_running") > 0, 120, "the b requests running")
+    running = _chat(server, STREAMED, "count on", max_tokens=200, ignore_eos=True, stream=True)
+    response = _streaming(f"{server.base}/v1/chat/completions", running)
     os.kill(first[0], signal.SIGKILL)
+    assert b"[DONE]" in response.read(), "the streamed request did not run to its end"
+    response.close()
     asking.join()
     _wait(lambda: bool(set(_consumers(server.process.pid)) - set(first)), 60, "serve starting another consumer")
     # The new consumer attaches when the producer next serves its sockets: at a step of vLLM's. Small requests keep
@@ -308,9 +319,9 @@ def test_live_vllm_server_stores_every_finished_request_and_survives_a_killed_co
     assert run["sample_rate"] == RATE, run
     # Only the sampled requests of those sent: vLLM makes no request of its own (no warm-up, /health asks the engine
     # nothing), and every one sent while a consumer was attached.
-    keys = {_key(rid) for rid in [*results, "hang-0"] if sampled(_key(rid), RATE)}
+    keys = {_key(rid) for rid in [*results, "hang-0", STREAMED] if sampled(_key(rid), RATE)}
     assert set(store.keys()) <= keys, set(store.keys()) - keys
-    must = {_key(rid) for rid in [*results, "hang-0"] if rid[0] in "achuv"} & keys
+    must = {_key(rid) for rid in [*results, "hang-0", STREAMED] if rid[0] in "achuv"} & keys
     assert must <= set(store.keys()), must - set(store.keys())
     unsampled = {rid for rid in results if not sampled(_key(rid), RATE)}
     assert {"a-3", "a-5", "c-0", "u-0"} <= unsampled, unsampled
