@@ -304,27 +304,18 @@ def when_imported(name: str, callback: Callable[[Any], None]) -> None:
     _after_import.waiting.setdefault(name, []).append(callback)
 
 
-def _after(cls: type, name: str, hook: Callable[..., None]) -> None:
-    """Wrap ``cls.name`` so that ``hook(self, result, *args, **kwargs)`` runs after it."""
+def _hook(cls: type, name: str, hook: Callable[..., None], *, before: bool = False) -> None:
+    """Wrap ``cls.name`` so that ``hook(self, result, *args, **kwargs)`` runs after it (``before``: ``hook(self, *args,
+    **kwargs)`` runs before it)."""
     original = getattr(cls, name)
 
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if before:
+            hook(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
         result = original(self, *args, **kwargs)
         hook(self, result, *args, **kwargs)
         return result
-
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    wrapper.__name__ = name
-    setattr(cls, name, wrapper)
-
-
-def _before(cls: type, name: str, hook: Callable[..., None]) -> None:
-    """Wrap ``cls.name`` so that ``hook(self, *args, **kwargs)`` runs before it."""
-    original = getattr(cls, name)
-
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        hook(self, *args, **kwargs)
-        return original(self, *args, **kwargs)
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     wrapper.__name__ = name
@@ -428,19 +419,19 @@ class VLLMCapture(EngineCapture, engine="vllm", layers_key="vllm_aux_layers", lo
 
     # -- patching ---------------------------------------------------------------------------------------------------
     def patch_worker(self, module: Any) -> None:
-        _after(module.Worker, "load_model", self.after_load_model)
-        _after(module.Worker, "shutdown", lambda worker, result: self.close("aborted"))
+        _hook(module.Worker, "load_model", self.after_load_model)
+        _hook(module.Worker, "shutdown", lambda worker, result: self.close("aborted"))
         setattr(module.Worker, CLOSE_RPC, close_capture)
 
     def patch_runner(self, module: Any) -> None:
-        _after(module.GPUModelRunner, "execute_model", self.after_execute_model)
+        _hook(module.GPUModelRunner, "execute_model", self.after_execute_model)
 
     def patch_scheduler(self, module: Any) -> None:
-        _after(module.Scheduler, "_free_request", self.after_free_request)
-        _after(module.Scheduler, "schedule", self.after_schedule)
+        _hook(module.Scheduler, "_free_request", self.after_free_request)
+        _hook(module.Scheduler, "schedule", self.after_schedule)
 
     def patch_engine_core(self, module: Any) -> None:
-        _before(module.EngineCore, "preprocess_add_request", self.before_add_request)
+        _hook(module.EngineCore, "preprocess_add_request", self.before_add_request, before=True)
 
     # -- hooks ------------------------------------------------------------------------------------------------------
     def after_load_model(self, worker: Any, result: Any, *args: Any, **kwargs: Any) -> None:
