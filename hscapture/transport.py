@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import re
 import socket
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,12 +117,20 @@ class ProducerSockets:
         self._files: list[tuple[Path, int, int]] = []
         self._auth = None
         path = _ipc_path(endpoint)
-        if path is not None:
-            prepare_ipc_dir(endpoint)
-            reclaim_socket_dir(path.parent)
-            for role in _ROLES:
-                if _listening(Path(f"{path}-{role}")):
-                    raise zmq.ZMQError(errno.EADDRINUSE, f"endpoint {endpoint!r}: another producer is running there")
+        with contextlib.ExitStack() as binding:
+            if path is not None:
+                prepare_ipc_dir(endpoint)
+                binding.enter_context(binding_in(path.parent))
+                reclaim_socket_dir(path.parent)
+                for role in _ROLES:
+                    if _listening(Path(f"{path}-{role}")):
+                        raise zmq.ZMQError(
+                            errno.EADDRINUSE, f"endpoint {endpoint!r}: another producer is running there"
+                        )
+            self._bind(endpoint, keys)
+
+    def _bind(self, endpoint: str, keys: Path | None) -> None:
+        """Make both sockets and bind them (a tcp:// endpoint: as CURVE servers admitting the keys of ``keys``)."""
         if endpoint.startswith("tcp://"):
             folder = Path(keys or default_keys_dir())
             pair = ensure_keys(folder)
@@ -355,6 +365,19 @@ def reclaim_socket_dir(directory: Path) -> list[Path]:
     if removed:
         log.info("removed %d files left by dead producers in %s", len(removed), directory)
     return removed
+
+
+@contextlib.contextmanager
+def binding_in(directory: Path) -> Iterator[None]:
+    """Held while a producer reclaims and binds in its socket directory: an ``flock`` of the directory itself (no
+    file to leave behind). Between a socket file's bind and its listen a connect is refused, so a producer starting
+    beside another (data-parallel jobs) would take the other's new socket for a dead producer's and remove it."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _listening(path: Path) -> bool:

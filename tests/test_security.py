@@ -11,9 +11,11 @@ import os
 import random
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -29,7 +31,7 @@ from hscapture.keys import PUBLIC, ensure_keys
 from hscapture.producer import Producer
 from hscapture.protocol import PROTOCOL_VERSION, Hello
 from hscapture.ring import SHM_DIR, reclaim_host_rings
-from hscapture.transport import announce_endpoint, release_endpoint, token_path
+from hscapture.transport import announce_endpoint, binding_in, release_endpoint, token_path
 from tests.conftest import ConsumerFactory, LoggedConsumer, OtherUser, cli_refusal, run_cli, wait_attached
 from tests.workload import Workload, make_config, make_producer
 
@@ -342,6 +344,29 @@ def test_what_a_killed_producer_left_goes_at_the_next_start_and_a_clean_run_leav
     ring = Path(producer.ring.describe()["path"])
     producer.close()
     assert os.listdir(directory) == [] and not ring.exists(), "a clean run left files behind"
+
+
+def test_a_producer_starting_beside_another_leaves_the_others_new_socket_alone(endpoint: str) -> None:
+    """Data-parallel jobs start producers in one directory at once. Between a socket file's bind and its listen a
+    connect is refused: a reclaim then took the other's new socket for a dead producer's and removed it (the job
+    failed with "No such file" at its start). A start now waits for the other's bind to finish."""
+    directory = Path(endpoint[len("ipc://") :]).parent
+    directory.mkdir(mode=0o700)
+    other = directory / "other-release"
+    producers: list[Producer] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mid_bind:
+        with binding_in(directory):  # what the other producer holds from its reclaim until its sockets listen
+            mid_bind.bind(str(other))  # bound, not listening yet
+            starting = threading.Thread(target=lambda: producers.append(make_producer(make_config(endpoint))))
+            starting.start()
+            starting.join(0.5)
+            assert starting.is_alive(), "a producer bound while another was binding in its directory"
+            assert other.exists()
+            mid_bind.listen()
+        starting.join(60)
+        assert producers and other.exists(), "the other producer's new socket was removed as a dead one's"
+        producers[0].close()
+        assert sorted(os.listdir(directory)) == ["other-release"]
 
 
 def test_reclaim_spares_a_ring_whose_lock_is_held_although_its_pid_is_gone() -> None:
