@@ -21,19 +21,13 @@ from collections.abc import Callable
 from hscapture.integrations.sglang import (
     CLOSE_RPC,
     CPU_ENGINE_KWARGS,
+    CPU_POOL_TOKENS,
     ENV,
     PluginSettings,
     engine_kwargs,
     use_cpu_host_env,
 )
 from hscapture.integrations.sglang_models import launch_plan
-
-#: KV pool of every test engine, in tokens: far more than any test holds at once. Left to SGLang, its CPU path
-#: sizes the pool from the host's free memory (a --mem-fraction-static share of it, gigabytes) and zero-fills
-#: all of it at each start.
-POOL_TOKENS = 1 << 16
-#: The same as ``sglang.launch_server`` / ``hscapture extract -- ...`` arguments.
-POOL_ARGS = ["--max-total-tokens", str(POOL_TOKENS)]
 
 
 def main() -> None:
@@ -72,7 +66,7 @@ def main() -> None:
         chunked_prefill_size=args.chunked_prefill_size,
         **CPU_ENGINE_KWARGS,
         **({"forward_hooks": [ABSORBED_MLA_HOOK]} if args.absorbed_mla else {}),
-        **{"disable_radix_cache": True, "max_total_tokens": POOL_TOKENS, **json.loads(args.engine_json)},
+        **{"disable_radix_cache": True, "max_total_tokens": CPU_POOL_TOKENS, **json.loads(args.engine_json)},
         # Without the aux flags SGLang returns the post-norm last layer, once asked to return states at all.
         **(engine_kwargs(layer_ids) if args.capture or args.aux else {"enable_return_hidden_states": True}),
     )

@@ -29,12 +29,12 @@ import pytest
 import torch
 
 from hscapture.consumer import consume_command
-from hscapture.integrations.sglang import ENV, PluginSettings, load_plugin
+from hscapture.integrations.sglang import CPU_POOL_TOKENS, ENV, PluginSettings, cpu_server_args, load_plugin
 from hscapture.integrations.sglang_models import GEMMA3_MLP_BRANCH, LaunchPlan, launch_plan
 from hscapture.store.reader import Store, open_store
 from hscapture.store.verify import verify_store
 from tests.conftest import ConsumerFactory, LoggedConsumer, cli_refusal, short_endpoint
-from tests.sglang_driver import POOL_ARGS, returned_rows
+from tests.sglang_driver import returned_rows
 
 pytest.importorskip("sglang", reason="SGLang is not installed (pip install -e '.[sglang]')")
 pytestmark = pytest.mark.slow
@@ -76,6 +76,14 @@ def test_plugin_is_inert_unless_switched_on_and_refuses_bad_settings(monkeypatch
     with pytest.raises(ValueError, match="HSCAPTURE_SGLANG: not valid capture settings"):
         load_plugin()
     assert PluginSettings.from_env(PluginSettings(endpoint="ipc:///tmp/x").to_env()).endpoint == "ipc:///tmp/x"
+
+
+def test_the_cpu_path_sizes_sglangs_kv_pool_unless_the_users_arguments_do() -> None:
+    """Left to SGLang, its CPU path zero-fills a pool of gigabytes at each start (the live server test checks that
+    serve's pool is this one); a size the user gives wins."""
+    assert cpu_server_args(["--model-path", "m"])[-2:] == ["--max-total-tokens", str(CPU_POOL_TOKENS)]
+    for given in (["--max-total-tokens", "4096"], ["--max-total-tokens=4096"], ["--mem-fraction-static", "0.5"]):
+        assert "--max-total-tokens" not in cpu_server_args(["--model-path", "m", *given])
 
 
 def test_serve_refuses_pipeline_parallelism_a_missing_model_and_a_ring_of_no_whole_slots(tmp_path: Path) -> None:
@@ -397,8 +405,7 @@ def server(model: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen,
     # accounting has tests of its own); serving waits for the consumer instead.
     command = [sys.executable, "-m", "hscapture", "serve", "--out", str(store_dir), "--policy", "block"]
     command += ["--", "--model-path", str(model)]
-    command += ["--port", str(port), "--chunked-prefill-size", "32", "--mem-fraction-static", "0.3"]
-    command += ["--enable-mixed-chunk", "--log-level", "warning", *POOL_ARGS]
+    command += ["--port", str(port), "--chunked-prefill-size", "32", "--enable-mixed-chunk", "--log-level", "warning"]
     # Its own process group, as a shell gives a command it runs: the test's Ctrl-C goes to that group.
     process = subprocess.Popen(command, env=_env(), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -441,6 +448,9 @@ def test_live_server_stores_every_finished_request_attributed_and_marks_aborted(
     two long system prompts (one diverging from the other mid-prompt), /generate prompts sharing one, and hung-up
     streams. Every finished request is complete, what it shares bitwise its donor's rows."""
     base, process, store_dir = server
+    # hscapture serve sized SGLang's KV pool on the CPU path (left to SGLang: gigabytes, zero-filled at each start).
+    with urllib.request.urlopen(f"{base}/server_info", timeout=30) as response:
+        assert json.load(response)["max_total_tokens"] == CPU_POOL_TOKENS
     words = "the quick brown fox jumps over the lazy dog while seven cats watch from a sunny wall "
     system = (words * 5).strip()
     systems = [system, system[: len(system) // 2] + " seven green rivers run north past the old city"]
@@ -553,7 +563,7 @@ def test_extract_with_the_radix_cache_on_completes_samples_sharing_a_long_system
     data = write_demo_jsonl(tmp_path / "data.jsonl", 12, system_prompt=long_system_prompt(tokenizer, 512))
     samples = list(load_samples(data, tokenizer, None))
     command = [sys.executable, "-m", "hscapture", "extract", "--engine", "sglang", "--model", str(model)]
-    command += ["--data", str(data), "--out", str(out), "--max-batch-size", "4", "--no-progress", "--", *POOL_ARGS]
+    command += ["--data", str(data), "--out", str(out), "--max-batch-size", "4", "--no-progress"]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert verify_store(out).ok
@@ -578,7 +588,7 @@ def test_extract_passes_sglang_arguments_through_kimi_k25_text_only(
     model, out = tiny("kimi_k25"), tmp_path / "store"
     command = [sys.executable, "-m", "hscapture", "extract", "--engine", "sglang", "--model", str(model)]
     command += ["--out", str(out), "--layers", "1,3,6", "--limit", "8", "--no-progress"]
-    command += ["--", "--json-model-override-args", json.dumps({"language_model_only": True}), *POOL_ARGS]
+    command += ["--", "--json-model-override-args", json.dumps({"language_model_only": True})]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     store = open_store(out)
@@ -598,7 +608,7 @@ def test_extract_stops_sglang_at_once_when_its_consumer_stops(tiny: Callable[[st
     out = tmp_path / "store"
     command = [sys.executable, "-m", "hscapture", "extract", "--engine", "sglang", "--model", str(tiny("qwen3"))]
     command += ["--out", str(out), "--mode", "regenerate", "--max-new-tokens", "1500", "--limit", "32"]
-    command += ["--no-progress", "--", *POOL_ARGS]
+    command += ["--no-progress"]
     process = subprocess.Popen(command, env=_env(), stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600

@@ -172,6 +172,17 @@ class PluginSettings(EngineSettings):
 
 #: SGLang arguments for a host without a GPU (what its CPU path supports).
 CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+#: KV pool on SGLang's CPU path, in tokens, where the user's arguments do not size it. Left to SGLang, that path
+#: sizes the pool from the host's free memory (a --mem-fraction-static share of it, gigabytes) and zero-fills all
+#: of it at each start: ~30 s of a 2-core host's start, before the first token.
+CPU_POOL_TOKENS = 1 << 16
+
+
+def cpu_server_args(args: Sequence[str]) -> list[str]:
+    """:data:`CPU_SERVER_ARGS` for a run given ``args``, with a pool of :data:`CPU_POOL_TOKENS` unless they size it."""
+    if option_value(args, "--max-total-tokens", "--mem-fraction-static") is not None:
+        return list(CPU_SERVER_ARGS)
+    return [*CPU_SERVER_ARGS, "--max-total-tokens", str(CPU_POOL_TOKENS)]
 CPU_ENGINE_KWARGS: dict[str, Any] = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True}
 
 _CUDA_STUB_C = """
@@ -260,7 +271,7 @@ def server_launch(args: list[str], capture: ServeCapture) -> ServerLaunch:
     if cpu_env:  # no NVIDIA driver here: SGLang's CPU path
         env.update(cpu_env)
         if option_value(args, "--device") is None:
-            extra += CPU_SERVER_ARGS
+            extra += cpu_server_args(args)
     return ServerLaunch(
         name="SGLang",
         command=[sys.executable, "-m", "sglang.launch_server", *args, *extra],

@@ -28,10 +28,10 @@ from hscapture.data import regenerate_prompt as regenerate_prompt  # moved to da
 from hscapture.errors import HSCaptureError
 from hscapture.integrations.sglang import (
     CLOSE_RPC,
-    CPU_SERVER_ARGS,
     ENV,
     LOSS_MASK_PARAM,
     PluginSettings,
+    cpu_server_args,
     server_args,
     use_cpu_host_env,
 )
@@ -138,7 +138,7 @@ class SGLangExtraction:
         from sglang.srt.server_args import prepare_server_args
 
         argv = ["--model-path", str(self.model_path), "--log-level", "error", "--dtype", self.dtype or "auto"]
-        argv += CPU_SERVER_ARGS if self.device == "cpu" else ["--device", self.device]
+        argv += cpu_server_args(self.sglang_args) if self.device == "cpu" else ["--device", self.device]
         return prepare_server_args([*argv, *self.sglang_args, *server_args(self.capture_plan.sglang_ids)])
 
     def run(self, batch: list[Sample]) -> int:
