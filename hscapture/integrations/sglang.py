@@ -183,6 +183,8 @@ def cpu_server_args(args: Sequence[str]) -> list[str]:
     if option_value(args, "--max-total-tokens", "--mem-fraction-static") is not None:
         return list(CPU_SERVER_ARGS)
     return [*CPU_SERVER_ARGS, "--max-total-tokens", str(CPU_POOL_TOKENS)]
+
+
 CPU_ENGINE_KWARGS: dict[str, Any] = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True}
 
 _CUDA_STUB_C = """

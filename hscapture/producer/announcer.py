@@ -124,8 +124,7 @@ class Announcer:
             ids: Sequence[str] | msgspec.Raw = ()
             counts: Sequence[int] | msgspec.Raw = ()
         elif checks.same_owners(request_ids, request_rows):  # read now: the owners change with the engine's steps
-            ids = checks.owners.encoded_ids  # type: ignore[union-attr]
-            counts = checks.owners.encoded_rows  # type: ignore[union-attr]
+            ids, counts = checks.owners.encoded()  # type: ignore[union-attr]
         else:
             ids, counts = list(request_ids), list(request_rows)
         slots_used = slots_in_flight + len(self.held) + 1

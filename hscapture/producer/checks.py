@@ -18,15 +18,22 @@ from hscapture import protocol
 from hscapture.config import CaptureConfig, dtype_name
 
 
-class Owners(NamedTuple):
+class Owners:
     """Request ids and rows that an engine passes step after step as the same tuples (a decode batch that did
-    not change): checked and encoded once, not every step."""
+    not change): checked once, not every step, and encoded once a chunk needs them (a run's chunk, of steps
+    joined in one slot, lists its owners itself when it is taken: a decode loop never encodes them)."""
 
-    request_ids: tuple[str, ...]
-    request_rows: tuple[int, ...]
-    rows: int
-    encoded_ids: msgspec.Raw
-    encoded_rows: msgspec.Raw
+    __slots__ = ("_encoded", "request_ids", "request_rows", "rows")
+
+    def __init__(self, request_ids: tuple[str, ...], request_rows: tuple[int, ...], rows: int) -> None:
+        self.request_ids, self.request_rows, self.rows = request_ids, request_rows, rows
+        self._encoded: tuple[msgspec.Raw, msgspec.Raw] | None = None
+
+    def encoded(self) -> tuple[msgspec.Raw, msgspec.Raw]:
+        """The ids and the rows as a chunk's fields hold them (made on first call)."""
+        if self._encoded is None:
+            self._encoded = protocol.encoded(self.request_ids), protocol.encoded(self.request_rows)
+        return self._encoded
 
 
 class Checked(NamedTuple):
@@ -51,7 +58,7 @@ class StepChecks:
     def __init__(self, config: CaptureConfig) -> None:
         self.config = config
         self._hidden, self._dtype, self._num_tensors = config.hidden_size, config.torch_dtype, config.num_tensors
-        #: The owners passed as the same tuples as before (checked and encoded once).
+        #: The owners passed as the same tuples as before (checked once).
         self.owners: Owners | None = None
         #: The last step checked with the owners of ``owners``.
         self.checked: Checked | None = None
@@ -125,7 +132,7 @@ class StepChecks:
         return rows, checked_spans
 
     def owned_rows(self, request_ids: Sequence[str], request_rows: Sequence[int]) -> int:
-        """The rows ``request_rows`` adds up to; the same tuples as before are checked (and encoded) once.
+        """The rows ``request_rows`` adds up to; the same tuples as before are checked once.
 
         Raises:
             ValueError: a request owns no row.
@@ -137,8 +144,7 @@ class StepChecks:
             raise ValueError(f"request_rows: every request owns at least one row, got {list(request_rows)[:16]}")
         rows = sum(request_rows)
         if type(request_ids) is tuple and type(request_rows) is tuple and len(request_ids) == len(request_rows):
-            ids, counts = protocol.encoded(request_ids), protocol.encoded(request_rows)
-            self.owners = Owners(request_ids, request_rows, rows, ids, counts)
+            self.owners = Owners(request_ids, request_rows, rows)
         return rows
 
     def _state_name(self, spans: Sequence[int]) -> str:
