@@ -99,7 +99,9 @@ def child_env() -> dict[str, str]:
 
 
 def endpoint(name: str) -> str:
-    ep = f"ipc:///tmp/hscapture-{os.getuid()}/bench-{name}-{os.getpid()}"
+    """A fresh endpoint for a section's producer: never one an earlier section's consumer, still exiting, says hello
+    to (the suite's log showed one refused there, "gave a wrong token")."""
+    ep = f"ipc:///tmp/hscapture-{os.getuid()}/bench-{name}-{os.getpid()}-{len(_endpoints)}"
     _endpoints.append(ep)
     return ep
 

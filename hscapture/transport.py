@@ -374,7 +374,8 @@ def binding_in(directory: Path) -> Iterator[None]:
     beside another (data-parallel jobs) would take the other's new socket for a dead producer's and remove it."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):  # a file system that locks no directory (NFS): only that race is back
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
