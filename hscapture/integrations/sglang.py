@@ -172,6 +172,7 @@ class PluginSettings(EngineSettings):
 
 #: SGLang arguments for a host without a GPU (what its CPU path supports).
 CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+CPU_ENGINE_KWARGS: dict[str, Any] = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True}
 #: KV pool on SGLang's CPU path, in tokens, where the user's arguments do not size it. Left to SGLang, that path
 #: sizes the pool from the host's free memory (a --mem-fraction-static share of it, gigabytes) and zero-fills all
 #: of it at each start: ~30 s of a 2-core host's start, before the first token.
@@ -184,8 +185,6 @@ def cpu_server_args(args: Sequence[str]) -> list[str]:
         return list(CPU_SERVER_ARGS)
     return [*CPU_SERVER_ARGS, "--max-total-tokens", str(CPU_POOL_TOKENS)]
 
-
-CPU_ENGINE_KWARGS: dict[str, Any] = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True}
 
 _CUDA_STUB_C = """
 /* SGLang's kernel package links libcuda.so.1; on a host without a GPU driver this stands in.
